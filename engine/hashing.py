@@ -1,0 +1,88 @@
+"""Reproducible block hashes and the model fingerprint.
+
+Block hash chain: h_i = SHA-256(h_{i-1} || tokens_i as little-endian uint32 || extra_i),
+with h_{-1} = SHA-256(b"kvtier-block-seed/v1" || fingerprint). Nothing here depends on
+Python's hash(), pickle or PYTHONHASHSEED, so two processes (or machines) agree.
+`extra` of the first block carries the request's cache_salt, so tenants never share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+LAYOUT_VERSION = 1
+HASH_BYTES = 32
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What makes KV bytes of two engines interchangeable."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    block_size: int
+    weights_digest: str
+    layout_version: int = LAYOUT_VERSION
+
+    @property
+    def digest(self) -> bytes:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).digest()
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def seed_hash(fingerprint: bytes) -> bytes:
+    return hashlib.sha256(b"kvtier-block-seed/v1" + fingerprint).digest()
+
+
+def salt_extra(cache_salt: str | None) -> bytes:
+    """Extra key bytes of a request's first block (empty when there is no salt)."""
+    if not cache_salt:
+        return b""
+    salt = cache_salt.encode()
+    return b"salt" + struct.pack("<I", len(salt)) + salt
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    packed = array("I", tokens)
+    if packed.itemsize != 4:
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    if struct.pack("=I", 1) != struct.pack("<I", 1):
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    return hashlib.sha256(parent + _token_bytes(tokens) + extra).digest()
+
+
+class BlockHasher:
+    """Extends a request's list of full-block hashes as its tokens grow."""
+
+    def __init__(self, fingerprint: bytes, block_size: int) -> None:
+        self.seed = seed_hash(fingerprint)
+        self.block_size = block_size
+
+    def extend(self, hashes: list[bytes], token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """Append the hashes of every newly full block of `token_ids` to `hashes`."""
+        bs = self.block_size
+        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
+            parent = hashes[-1] if hashes else self.seed
+            extra = salt_extra(cache_salt) if start == 0 else b""
+            hashes.append(hash_block(parent, token_ids[start : start + bs], extra))
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        out: list[bytes] = []
+        self.extend(out, token_ids, cache_salt)
+        return out

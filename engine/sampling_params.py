@@ -1,0 +1,55 @@
+"""Per-request sampling options, shaped like vLLM's SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling option is out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n != 1:
+            raise SamplingParamsError("n", f"only n=1 is supported, got {self.n}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
