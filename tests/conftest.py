@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -13,10 +15,10 @@ def tiny_model_factory(tmp_path_factory):
     through its real loading code; each distinct set of arguments is built once."""
     from engine.builtin_model import make_model
 
-    built: dict[tuple, str] = {}
+    built: dict[tuple[str, str], str] = {}
 
     def make(architecture: str = "llama", **overrides) -> str:
-        key = (architecture, tuple(sorted(overrides.items())))
+        key = (architecture, json.dumps(overrides, sort_keys=True))
         if key not in built:
             path = tmp_path_factory.mktemp(f"ckpt-{architecture}")
             built[key] = make_model(str(path), architecture=architecture, preset="tiny", **overrides)

@@ -1,0 +1,140 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Module names mirror the Hugging Face checkpoints (`model.layers.N.self_attn...`), except
+that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`, whose `shards` name
+the checkpoint projections they hold (see `loader.checkpoint_targets`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.models.args import ModelArgs
+from engine.models.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from engine.models.rope import RotaryEmbedding, apply_rotary
+from kernels.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.split = [args.q_size, args.kv_size, args.kv_size]
+        self.scale = args.head_dim**-0.5
+        qkv = {"q_proj": args.q_size, "k_proj": args.kv_size, "v_proj": args.kv_size}
+        self.qkv_proj = Linear(args.hidden_size, qkv, args.qkv_bias, dtype, device)
+        self.o_proj = Linear(args.q_size, {"o_proj": args.hidden_size}, args.o_bias, dtype, device)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_layer, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size = args.intermediate_size
+        gate_up = {"gate_proj": size, "up_proj": size}
+        self.gate_up_proj = Linear(args.hidden_size, gate_up, args.mlp_bias, dtype, device)
+        self.down_proj = Linear(size, {"down_proj": args.hidden_size}, args.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(args, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.mlp = MLP(args, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, dtype, device) for _ in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(
+            args.rope_parameters, args.head_dim, args.max_position_embeddings, dtype, device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[:, i], meta)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids[T], positions[T], kv_cache, meta) -> hidden [T, hidden_size]`."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args, dtype, device)
+        self.lm_head = None
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(
+                args.hidden_size, {"lm_head": args.vocab_size}, False, dtype, device
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[n, vocab]` of the rows of `hidden` that are sampled."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
