@@ -1,0 +1,105 @@
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Filters apply in vLLM's order: temperature, then min-p (relative to the most likely
+token), then top-k, then top-p over what top-k kept. A token is drawn with the
+exponential race `argmax(probs / q)`, q ~ Exp(1), which is an exact draw from `probs`
+and needs no cumulative sum. A request with its own generator draws its noise row from
+that generator alone, so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Below this temperature a row is sampled greedily (dividing by it would overflow).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private generator; it must live on the device the logits are on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[list[int], list[float] | None]:
+        """One token per row of `logits` [n, V]. The logprobs (of the chosen tokens under
+        the raw logits, as vLLM reports them) come for every row when any request asks."""
+        if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
+            raise ValueError("logits must be [n, vocab] with one params and generator per row")
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
+        if rows:
+            tokens[rows] = _sample_rows(
+                logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
+            )
+        logprobs = None
+        if any(p.logprobs for p in params):
+            chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
+            logprobs = chosen.squeeze(1).tolist()
+        return tokens.tolist(), logprobs
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    temperature = logits.new_tensor([p.temperature for p in params])
+    scaled = logits / temperature[:, None]
+    scaled = apply_min_p(scaled, [p.min_p for p in params])
+    scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+    probs = scaled.softmax(dim=-1)
+    return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the top token's (0 disables)."""
+    if not any(min_p):
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * logits.new_tensor(min_p)[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep the k most likely tokens (0 disables; ties with the k-th are kept), then the
+    smallest most-likely set whose probability reaches top_p (1 disables)."""
+    vocab = logits.shape[-1]
+    use_k = any(0 < k < vocab for k in top_k)
+    use_p = any(p < 1 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if use_k:
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if use_p:
+        p = logits.new_tensor([p if p < 1 else float("inf") for p in top_p])
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # A zero draw would turn a masked (zero-probability) token into 0/0 = nan.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
