@@ -1,0 +1,18 @@
+"""kvtier's LLM engine. `from engine import LLM, SamplingParams`."""
+
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """Import the heavy engine modules only when they are used (the CLI's --help stays fast)."""
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)

@@ -1,0 +1,103 @@
+"""The `kvtier` command: serve | generate | bench | make-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.arg_utils import add_engine_arguments, config_from_args
+from engine.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of a usage dump."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for a paged-attention LLM engine.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server.")
+    add_engine_arguments(serve)
+    from engine.server.cli_args import add_server_arguments
+
+    add_server_arguments(serve)
+
+    gen = commands.add_parser("generate", help="Generate text for one or more prompts offline.")
+    gen.add_argument("--prompt", action="append", required=True, help="A prompt (repeat for several).")
+    gen.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt.")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy.")
+    gen.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    gen.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0: off).")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    add_engine_arguments(gen)
+
+    bench = commands.add_parser("bench", help="Run a benchmark workload (see `kvtier bench --help`).")
+    from bench.cli import add_bench_arguments
+
+    add_bench_arguments(bench)
+
+    make = commands.add_parser("make-model", help="Write a random-weight checkpoint (no download).")
+    make.add_argument("path", help="Directory to write.")
+    make.add_argument("--architecture", default="llama", choices=("llama", "mistral", "qwen2", "qwen3"))
+    make.add_argument("--preset", default="default", choices=("default", "tiny"))
+    make.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ConfigError as exc:
+        parser.exit(2, f"kvtier: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams, SamplingParamsError
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.sampling_seed,
+        )
+    except SamplingParamsError as exc:
+        raise ConfigError(exc.param, str(exc).split(": ", 1)[-1]) from None
+    llm = LLM.from_config(config_from_args(args))
+    for out in llm.generate(args.prompt, params):
+        completion = out.outputs[0]
+        print(f"--- {out.request_id} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        print(completion.text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.server.api_server import serve
+
+    return serve(config_from_args(args), args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from engine.builtin_model import make_model
+
+    print(make_model(args.path, architecture=args.architecture, preset=args.preset, seed=args.seed))
+    return 0
+
+
+_COMMANDS = {"serve": _serve, "generate": _generate, "bench": _bench, "make-model": _make_model}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are the engine options (CLI flag names
+    with underscores), e.g. LLM(model=path, dtype="float32", num_kv_blocks=64)."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(**dataclasses.asdict(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        ids = []
+        for prompt, p in zip(prompt_list, params, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+            ids.append(rid)
+        finished: dict[str, RequestOutput] = {}
+        show = use_tqdm and len(ids) > 1
+        with tqdm(total=len(ids), desc="generate", disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,271 @@
+"""LLMEngine: tokenizes, admits and aborts requests, and runs one scheduler step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.builtin_model import default_model_path
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hashing import BlockHasher, ModelFingerprint
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, allocate_kv_cache
+from engine.models import ModelSpec, load_model, resolve_dtype
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
+CUDA_KV_CACHE_FRACTION = 0.5
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is already in flight was submitted again."""
+
+
+@dataclass
+class _Tracked:
+    """Engine-side bookkeeping of one request beyond what the scheduler keeps."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    sent_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        model_path = config.model or default_model_path()
+        self.model, self.spec = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+        self.model_path = model_path
+        self.config = dataclasses.replace(
+            config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)
+        )
+        self.fingerprint = model_fingerprint(self.spec, self.dtype, config.block_size)
+        self.num_kv_blocks = self._num_kv_blocks()
+        kv_cache = allocate_kv_cache(
+            self.num_kv_blocks, self.spec.num_layers, config.block_size,
+            self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device,
+        )
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.config, self.kv_cache_manager, BlockHasher(self.fingerprint.digest, config.block_size)
+        )
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size)
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Tokenize and queue a request. Raises ValueError subclasses for bad input."""
+        if request_id in self._tracked:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        token_ids = self.encode(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= self.spec.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=frozenset(self.spec.eos_token_ids),
+            cache_salt=cache_salt,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
+        return request
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        ids = [rid for rid in request_ids if rid in self._tracked]
+        self.scheduler.abort_requests(ids)
+        for rid in ids:
+            self._forget(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(encoded)
+
+    # ---- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that changed."""
+        out = self.scheduler.schedule()
+        if not out.requests:
+            return []
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as exc:  # one bad batch must not take the engine down
+            logger.exception("model step failed; failing the %d requests of this batch", len(out.requests))
+            return self._fail_batch(out.requests, f"{type(exc).__name__}: {exc}")
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        outputs = []
+        for request in out.requests:
+            if request.request_id not in sampled and request.request_id not in finished:
+                continue
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                outputs.append(self._output_for(tracked))
+        return outputs
+
+    def _output_for(self, tracked: _Tracked) -> RequestOutput:
+        """Detokenize the new tokens, apply stop strings, and build the request's output.
+
+        While a request runs, text that could still be the start of a stop string is held
+        back, so a streamed prefix never has to be taken back."""
+        request = tracked.request
+        new_ids = request.output_token_ids[tracked.sent_tokens :]
+        tracked.sent_tokens = request.num_output_tokens
+        delta = tracked.detokenizer.append(new_ids)
+        stops = request.sampling_params.stop
+        text = tracked.detokenizer.text
+        if stops:
+            stop_string = tracked.detokenizer.check_stop(stops, len(delta))
+            if stop_string is not None:
+                text = tracked.detokenizer.text
+                request.stop_reason = stop_string
+                if not request.is_finished:
+                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            elif not request.is_finished:
+                text = text[: max(0, len(text) - (max(map(len, stops)) - 1))]
+        return self._make_output(tracked, text, new_ids)
+
+    def _make_output(self, tracked: _Tracked, text: str, new_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        if request.is_finished:
+            self._forget(request.request_id)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics=request_metrics(request),
+            error=request.error,
+            new_token_ids=new_ids,
+        )
+
+    def _fail_batch(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        ids = [r.request_id for r in requests]
+        for request in requests:
+            request.error = message
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for rid in ids:
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                outputs.append(self._make_output(tracked, tracked.detokenizer.text, []))
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # ---- sizing and stats -----------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        per_token = 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
+        return per_token * self.config.block_size * self.dtype.itemsize
+
+    def _max_model_len(self, requested: int | None) -> int:
+        limit = self.spec.max_position_embeddings
+        if requested is not None and requested > limit:
+            raise ConfigError("max_model_len", f"{requested} exceeds the model's max_position_embeddings ({limit})")
+        return requested or limit
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = _default_kv_cache_memory(self.device)
+        blocks = budget // self.block_bytes
+        if blocks < 1:
+            raise ConfigError("kv_cache_memory", f"{budget} bytes is smaller than one KV block ({self.block_bytes} bytes)")
+        return int(blocks)
+
+    def stats(self) -> dict:
+        stats = dict(self.scheduler.stats())
+        stats.update(num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size)
+        return stats
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return device
+
+
+def model_fingerprint(spec: ModelSpec, kv_dtype: torch.dtype, block_size: int) -> ModelFingerprint:
+    return ModelFingerprint(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=block_size,
+        weights_digest=spec.weights_digest,
+    )
+
+
+def request_metrics(request: Request) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        finish_time=request.finish_time,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        num_preemptions=request.num_preemptions,
+    )
+
+
+def _default_kv_cache_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_CACHE_FRACTION)
+    return DEFAULT_CPU_KV_CACHE_MEMORY

@@ -1,0 +1,135 @@
+"""Runs one scheduler step on the model: flattened varlen batch in, sampled tokens out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import Sampler, make_generator
+from engine.scheduler import SchedulerOutput
+from kernels.metadata import AttentionMetadata
+
+SampledTokens = dict[str, tuple[int, float | None]]
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # row of each sampled request's last token
+    sampled_requests: list  # the requests that get a token this step
+
+
+def allocate_kv_cache(
+    num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """The block-major device KV pool (layout in docs/ARCHITECTURE.md)."""
+    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, out: SchedulerOutput) -> SampledTokens:
+        batch = self.prepare(out)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            if not batch.sampled_requests:
+                return {}
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+        return self._sample(batch.sampled_requests, logits)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's seeded generator."""
+        self._generators.pop(request_id, None)
+
+    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled = []
+        for req, num_new, start, sample in zip(
+            out.requests, out.num_new_tokens, out.start_positions, out.sample, strict=True
+        ):
+            token_ids.extend(req.token_ids_between(start, start + num_new))
+            positions.append(torch.arange(start, start + num_new))
+            seq_lens.append(start + num_new)
+            if sample:
+                sample_rows.append(len(token_ids) - 1)
+                sampled.append(req)
+        query_lens = list(out.num_new_tokens)
+        position_t = torch.cat(positions)
+        block_tables = _pad_block_tables(out.block_tables)
+        slot_mapping = self._slot_mapping(block_tables, query_lens, position_t)
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(_cumsum_with_zero(query_lens)),
+            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=self._to_device(block_tables),
+            slot_mapping=self._to_device(slot_mapping),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return PreparedBatch(
+            input_ids=self._to_device(torch.tensor(token_ids, dtype=torch.long)),
+            positions=self._to_device(position_t),
+            meta=meta,
+            sample_rows=self._to_device(torch.tensor(sample_rows, dtype=torch.long)),
+            sampled_requests=sampled,
+        )
+
+    def _slot_mapping(
+        self, block_tables: torch.Tensor, query_lens: list[int], positions: torch.Tensor
+    ) -> torch.Tensor:
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        blocks = block_tables[seq_index, positions // self.block_size].long()
+        return blocks * self.block_size + positions % self.block_size
+
+    def _sample(self, requests: list, logits: torch.Tensor) -> SampledTokens:
+        params = [r.sampling_params for r in requests]
+        generators = [self._generator_for(r) for r in requests]
+        tokens, logprobs = self.sampler.sample(logits, params, generators)
+        chosen_logprobs = logprobs if logprobs is not None else [None] * len(tokens)
+        return {
+            r.request_id: (tok, lp if r.sampling_params.logprobs else None)
+            for r, tok, lp in zip(requests, tokens, chosen_logprobs, strict=True)
+        }
+
+    def _generator_for(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        if request.request_id not in self._generators:
+            self._generators[request.request_id] = make_generator(seed, self.device)
+        return self._generators[request.request_id]
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    padded = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return padded
+
+
+def _cumsum_with_zero(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), dim=0)
+    return out
