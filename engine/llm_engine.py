@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+import kernels
 from engine.builtin_model import default_model_path
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -47,6 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
+        kernels.set_backend(config.attention_backend)
         model_path = config.model or default_model_path()
         self.model, self.spec = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
         self.dtype = next(self.model.parameters()).dtype
