@@ -1,0 +1,99 @@
+"""Store options and the construction of the tiers they describe."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import StoreConfigError
+from kvstore.spec import ChunkSpec
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.disk import FSYNC_POLICIES, DiskTier
+from tiers.errors import TierConfigError
+from tiers.pins import PinTable
+from tiers.redis_tier import RedisTier
+
+TIER_ORDER = ("cpu", "disk", "redis")
+COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
+GiB = 1024**3
+
+
+def parse_tiers(tiers: str | Sequence[str]) -> tuple[str, ...]:
+    """'cpu,disk' or ('disk', 'cpu') -> ('cpu', 'disk'): fastest first."""
+    names = tiers.split(",") if isinstance(tiers, str) else list(tiers)
+    names = [n.strip().lower() for n in names if n.strip()]
+    unknown = sorted(set(names) - set(TIER_ORDER))
+    if unknown:
+        raise StoreConfigError(f"unknown tier {unknown[0]!r}; choose from {', '.join(TIER_ORDER)}")
+    if not names:
+        raise StoreConfigError("a store needs at least one tier")
+    return tuple(t for t in TIER_ORDER if t in names)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Every store option. Sizes are bytes; times are seconds."""
+
+    tiers: tuple[str, ...] = ("cpu",)
+    cpu_size: int = 4 * GiB
+    pin_memory: bool | None = None  # None: pinned iff CUDA is available
+    disk_path: str | None = None
+    disk_size: int = 32 * GiB
+    disk_fsync: str = "none"
+    redis_url: str | None = None
+    redis_ttl_s: float | None = None
+    redis_key_prefix: str = "kvtier:"
+    redis_op_timeout_s: float = 2.0
+    redis_connect_timeout_s: float = 1.0
+    redis_probe_interval_s: float = 1.0
+    compress: str | None = None  # applies to disk and redis records
+    secret: str | bytes | None = field(default=None, repr=False)
+    lookup_timeout_s: float = 0.1  # bound on the Redis round trip inside lookup()
+    load_timeout_s: float = 10.0
+    max_pending_write_bytes: int = 256 * 1024**2
+    write_workers: int = 2
+    promote: bool = True  # copy disk/redis hits into the cpu tier
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", parse_tiers(self.tiers))
+        if "disk" in self.tiers and not self.disk_path:
+            raise StoreConfigError("the disk tier needs disk_path")
+        if "redis" in self.tiers and not self.redis_url:
+            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)")
+        if self.compress not in COMPRESS_OPTIONS:
+            raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4")
+        if self.disk_fsync not in FSYNC_POLICIES:
+            raise StoreConfigError(f"disk_fsync must be one of {', '.join(FSYNC_POLICIES)}")
+        for name in ("lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise StoreConfigError(f"{name} must be positive")
+        if self.write_workers < 1 or self.max_pending_write_bytes < 0:
+            raise StoreConfigError("write_workers must be >= 1 and max_pending_write_bytes >= 0")
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        if not self.secret:
+            return None
+        return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
+
+
+def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Tier]:
+    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError."""
+    builders = {
+        "cpu": lambda: CpuTier(config.cpu_size, spec.shape, spec.dtype, pins, config.pin_memory),
+        "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync),
+        "redis": lambda: RedisTier(
+            config.redis_url,
+            pins,
+            ttl_s=config.redis_ttl_s,
+            key_prefix=config.redis_key_prefix,
+            op_timeout_s=config.redis_op_timeout_s,
+            connect_timeout_s=config.redis_connect_timeout_s,
+            probe_interval_s=config.redis_probe_interval_s,
+        ),
+    }
+    try:
+        return [builders[name]() for name in config.tiers]
+    except TierConfigError as exc:
+        raise StoreConfigError(str(exc)) from exc

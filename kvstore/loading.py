@@ -1,0 +1,242 @@
+"""Loads into caller buffers, promotion into the cpu tier, and prefetch.
+
+cpu-tier hits are copied in the caller's thread before `load` returns (a memcpy per
+chunk), so a load served entirely from memory comes back as an already-finished future.
+The rest is fetched on the I/O loop from the record tiers in order (disk, then redis),
+each tier asked only for what is still missing, and decoded straight into the caller's
+tensors. Decoding happens on the loop thread between awaits, so once the future is done
+nothing writes to the caller's buffers any more; the future is resolved even on timeout
+or shutdown (missing chunks are then misses). Any bad record is a counted miss and is
+deleted from its tier so it does not fail again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.buffers import BufferPool
+from kvstore.errors import RecordError
+from kvstore.keys import ChunkKey
+from kvstore.record import RecordCodec
+from kvstore.runtime import IoRuntime, pending_future, resolved
+from kvstore.spec import tensor_bytes
+from kvstore.stats import StoreCounters
+from tiers.base import Buffer, RecordTier
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, CpuTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Per key, the tier that delivered the chunk, or None for a miss."""
+
+    tiers: tuple[str | None, ...]
+
+    @property
+    def ok(self) -> tuple[bool, ...]:
+        return tuple(t is not None for t in self.tiers)
+
+    @property
+    def num_leading_ok(self) -> int:
+        """Chunks loaded before the first miss: what a prefix cache can use."""
+        for index, tier in enumerate(self.tiers):
+            if tier is None:
+                return index
+        return len(self.tiers)
+
+
+class Loader:
+    def __init__(
+        self,
+        codec: RecordCodec,
+        cpu: CpuTier | None,
+        lower: Sequence[RecordTier],
+        runtime: IoRuntime,
+        counters: StoreCounters,
+        promote: bool,
+        buffers: BufferPool,
+    ) -> None:
+        self._codec = codec
+        self._buffers = buffers
+        self._cpu = cpu
+        self._lower = list(lower)
+        self._runtime = runtime
+        self._counters = counters
+        self._promote = promote and cpu is not None
+        self._prefetching: dict[str, asyncio.Future[None]] = {}  # loop thread only
+
+    def load(
+        self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], timeout_s: float
+    ) -> Future[LoadResult]:
+        tiers: list[str | None] = [None] * len(keys)
+        rest = [i for i, key in enumerate(keys) if not self._from_cpu(key, outs[i], tiers, i)]
+        self._counters.add(loads=1, load_chunks=len(keys))
+        if not rest or not self._lower:
+            return resolved(self._finish(tiers))
+        future: Future[LoadResult] = pending_future()
+        self._runtime.spawn(self._load_rest(keys, outs, rest, tiers, timeout_s, future))
+        return future
+
+    def prefetch(self, keys: Sequence[ChunkKey], timeout_s: float) -> Future[int]:
+        if self._cpu is None or not self._lower:
+            return resolved(0)
+        future: Future[int] = pending_future()
+        self._runtime.spawn(self._prefetch(list(keys), timeout_s, future))
+        return future
+
+    def _from_cpu(self, key: ChunkKey, out: torch.Tensor, tiers: list[str | None], i: int) -> bool:
+        if self._cpu is None:
+            return False
+        if self._cpu.get_into(key.name, out):
+            self._cpu.counters.add(hits=1)
+            tiers[i] = self._cpu.name
+            return True
+        self._cpu.counters.add(misses=1)
+        return False
+
+    def _finish(self, tiers: list[str | None]) -> LoadResult:
+        self._counters.add(load_hit_chunks=sum(t is not None for t in tiers))
+        return LoadResult(tuple(tiers))
+
+    async def _load_rest(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[torch.Tensor],
+        rest: list[int],
+        tiers: list[str | None],
+        timeout_s: float,
+        future: Future[LoadResult],
+    ) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._fill(keys, outs, rest, tiers)
+        except TimeoutError:
+            log.warning("kvstore load timed out after %.3fs; missing chunks are misses", timeout_s)
+        except Exception:
+            self._counters.add(internal_errors=1)
+            log.exception("kvstore load failed; missing chunks are misses")
+        finally:
+            future.set_result(self._finish(tiers))
+
+    async def _fill(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[torch.Tensor],
+        rest: list[int],
+        tiers: list[str | None],
+    ) -> None:
+        waits = [self._prefetching[keys[i].name] for i in rest if keys[i].name in self._prefetching]
+        if waits:
+            await asyncio.wait(waits)
+            rest = [i for i in rest if not self._from_cpu(keys[i], outs[i], tiers, i)]
+        for tier in self._lower:
+            ask = [i for i in rest if tier.has_local(keys[i].name) is not False]
+            if not ask:
+                continue
+            buffers = [self._buffers.take() for _ in ask]
+            records = await tier.get([keys[i].name for i in ask], buffers)
+            for i, record in zip(ask, records, strict=True):
+                if self._decode(tier, keys[i], record, tensor_bytes(outs[i])):
+                    tiers[i] = tier.name
+            self._give_back(buffers)
+            rest = [i for i in rest if tiers[i] is None]
+            if not rest:
+                break
+        if self._promote:
+            loaded = [i for i, t in enumerate(tiers) if t not in (None, self._cpu.name)]
+            promoted = sum(self._cpu.put_from(keys[i].name, outs[i]) for i in loaded)
+            self._counters.add(promotions=promoted)
+
+    async def _prefetch(self, keys: list[ChunkKey], timeout_s: float, future: Future[int]) -> None:
+        todo = [
+            k for k in keys if not self._cpu.has_local(k.name) and k.name not in self._prefetching
+        ]
+        mine = {k.name for k in todo}
+        for name in mine:
+            self._prefetching[name] = asyncio.get_running_loop().create_future()
+        fetched = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                for tier in self._lower:
+                    todo, count = await self._prefetch_from(tier, todo)
+                    fetched += count
+        except TimeoutError:
+            log.warning("kvstore prefetch timed out after %.3fs", timeout_s)
+        except Exception:
+            self._counters.add(internal_errors=1)
+            log.exception("kvstore prefetch failed")
+        finally:
+            for name in mine:
+                self._prefetching.pop(name).set_result(None)
+            self._counters.add(prefetch_chunks=fetched)
+            future.set_result(fetched)
+
+    async def _prefetch_from(
+        self, tier: RecordTier, todo: list[ChunkKey]
+    ) -> tuple[list[ChunkKey], int]:
+        """Decode what `tier` has straight into cpu slots; returns (still missing, fetched)."""
+        ask = [k for k in todo if tier.has_local(k.name) is not False]
+        if not ask:
+            return todo, 0
+        buffers = [self._buffers.take() for _ in ask]
+        records = await tier.get([k.name for k in ask], buffers)
+        done: set[str] = set()
+        fetched = 0
+        for key, record in zip(ask, records, strict=True):
+            outcome = self._into_cpu(tier, key, record)
+            if outcome is not None:
+                done.add(key.name)
+                fetched += outcome
+        self._give_back(buffers)
+        return [k for k in todo if k.name not in done], fetched
+
+    def _into_cpu(self, tier: RecordTier, key: ChunkKey, record: Buffer | None) -> int | None:
+        """Decode `record` into a new cpu slot: 1 if stored, 0 if already there, None if not."""
+        if record is None:
+            tier.counters.add(misses=1)
+            return None
+        slot = self._cpu.reserve(key.name)
+        if slot == ALREADY_PRESENT:
+            return 0
+        if slot == NO_ROOM:
+            return None
+        if not self._decode(tier, key, record, self._cpu.buffer(slot)):
+            self._cpu.abort(slot)
+            return None
+        self._cpu.commit(slot)
+        return 1
+
+    def _give_back(self, buffers: list[bytearray]) -> None:
+        """Recycle read buffers once decoded. Not done when a read is interrupted: an
+        I/O thread may still be filling them."""
+        for buffer in buffers:
+            self._buffers.give(buffer)
+
+    def _decode(
+        self, tier: RecordTier, key: ChunkKey, record: Buffer | None, out: memoryview
+    ) -> bool:
+        if record is None:
+            tier.counters.add(misses=1)
+            return False
+        try:
+            self._codec.decode_into(key.block_hash, record, out)
+        except RecordError as exc:
+            tier.counters.add(misses=1, **{exc.counter: 1})
+            log.warning(
+                "kvstore: bad record %s in %s tier (%s: %s); deleted",
+                key.name,
+                tier.name,
+                type(exc).__name__,
+                exc,
+            )
+            self._runtime.spawn(tier.delete([key.name]))
+            return False
+        tier.counters.add(hits=1)
+        return True

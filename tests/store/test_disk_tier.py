@@ -1,0 +1,141 @@
+"""Disk tier on real files: atomic writes, restart, stale temp files, byte-budget LRU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiers import DiskTier, PinTable, TierConfigError
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def record(i: int, size: int = 1000) -> bytes:
+    return bytes([i % 256]) * size
+
+
+def test_put_get_and_no_temp_files_left(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    assert run(tier.put([("k-01", record(1)), ("k-02", record(2))])) == [True, True]
+    assert run(tier.get(["k-01", "k-02", "k-03"])) == [record(1), record(2), None]
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["k-01.kvc", "k-02.kvc"]
+    assert tier.usage_bytes == 2000 and tier.counters["bytes_written"] == 2000
+
+
+@pytest.mark.parametrize("fsync", ["none", "file", "full"])
+def test_fsync_policies_write_the_same_bytes(tmp_path, fsync):
+    tier = DiskTier(tmp_path, 10_000, fsync=fsync)
+    run(tier.put([("k-aa", record(7))]))
+    assert run(tier.get(["k-aa"])) == [record(7)]
+
+
+def test_bad_configuration_is_refused(tmp_path):
+    with pytest.raises(TierConfigError):
+        DiskTier(tmp_path, 10, fsync="sometimes")
+    with pytest.raises(TierConfigError):
+        DiskTier(tmp_path, 0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TierConfigError):
+        DiskTier(tmp_path / "file" / "sub", 10)
+
+
+def test_restart_rebuilds_the_index_in_lru_order(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    for i in range(3):
+        run(tier.put([(f"k-{i:02d}", record(i))]))
+        os.utime(tier.path(f"k-{i:02d}"), (1000 + i, 1000 + i))
+    again = DiskTier(tmp_path, 10_000)
+    assert again.entries == 3 and again.usage_bytes == 3000
+    assert run(again.get(["k-01"])) == [record(1)]
+    smaller = DiskTier(tmp_path, 2_000)  # a smaller budget evicts the oldest at start
+    assert [smaller.has_local(f"k-{i:02d}") for i in range(3)] == [False, True, True]
+
+
+def test_stale_temp_files_are_removed_at_start(tmp_path):
+    shard = tmp_path / "01"
+    shard.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    (shard / f".k-01.{dead_pid}.abcd1234.tmp").write_bytes(b"partial")
+    live = shard / f".k-02.{os.getpid()}.abcd1234.tmp"
+    live.write_bytes(b"being written by a live process")
+    old = shard / f".k-03.{os.getpid()}.ffff0000.tmp"
+    old.write_bytes(b"abandoned long ago")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    tier = DiskTier(tmp_path, 10_000, stale_tmp_s=600)
+    assert tier.removed_tmp_files == 2
+    assert sorted(p.name for p in shard.iterdir()) == [live.name]
+    assert tier.entries == 0
+
+
+def test_byte_budget_evicts_lru_and_spares_pins(tmp_path):
+    pins = PinTable()
+    tier = DiskTier(tmp_path, 3_500, pins)
+    pins.pin(["k-00"])
+    for i in range(6):
+        assert run(tier.put([(f"k-{i:02d}", record(i))]))
+        assert tier.usage_bytes <= 3_500
+    present = [i for i in range(6) if tier.path(f"k-{i:02d}").exists()]
+    assert present == [0, 4, 5]
+    assert tier.counters["evictions"] == 3
+    pins.pin(["k-04", "k-05"])
+    assert run(tier.put([("k-06", record(6))])) == [False]
+    assert tier.counters["put_rejected"] == 1
+
+
+def test_record_larger_than_the_budget_is_rejected(tmp_path):
+    tier = DiskTier(tmp_path, 500)
+    assert run(tier.put([("k-00", record(0))])) == [False]
+
+
+def test_file_removed_by_another_process_is_a_miss(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    run(tier.put([("k-01", record(1))]))
+    tier.path("k-01").unlink()
+    assert run(tier.get(["k-01"])) == [None]
+    assert tier.entries == 0 and tier.counters["errors"] == 0
+
+
+def test_record_written_by_another_process_is_adopted(tmp_path):
+    mine = DiskTier(tmp_path, 10_000)
+    other = DiskTier(tmp_path, 10_000)
+    run(other.put([("k-05", record(5))]))
+    assert mine.has_local("k-05")
+    assert run(mine.get(["k-05"])) == [record(5)] and mine.usage_bytes == 1000
+
+
+def test_write_error_makes_the_tier_unhealthy_then_it_recovers(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    tier.health = type(tier.health)(min_backoff_s=0.01)
+    (tmp_path / "01").write_text("a file where the shard directory should be")
+    assert run(tier.put([("k-01", record(1))])) == [False]
+    assert tier.health.state == "unhealthy" and tier.counters["errors"] == 1
+    (tmp_path / "01").unlink()
+    time.sleep(0.02)
+    assert run(tier.put([("k-01", record(1))])) == [True]
+    assert tier.health.state == "healthy"
+
+
+def test_clear_removes_only_the_prefix(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    run(tier.put([("m1-k-01", record(1)), ("m1-k-02", record(2)), ("m2-k-01", record(3))]))
+    assert run(tier.clear("m1-")) == 2
+    assert [tier.path(k).exists() for k in ("m1-k-01", "m1-k-02", "m2-k-01")] == [
+        False,
+        False,
+        True,
+    ]
+    assert tier.usage_bytes == 1000

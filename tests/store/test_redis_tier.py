@@ -1,0 +1,181 @@
+"""Redis tier against real redis-server processes: standalone, password, cluster, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tiers import RedisTier, RedisUrlError, parse_redis_url
+
+
+def test_url_forms():
+    plain = parse_redis_url("redis://localhost")
+    assert plain.nodes == (("localhost", 6379),) and not plain.cluster and not plain.ssl
+    tls = parse_redis_url("rediss://user:p%40ss@cache.example:6380/2")
+    assert tls.ssl and tls.username == "user" and tls.password == "p@ss" and tls.db == 2
+    assert "p@ss" not in repr(tls) and "p@ss" not in tls.describe()
+    cluster = parse_redis_url("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002")
+    assert cluster.cluster and cluster.password == "pw"
+    assert cluster.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://localhost",
+        "redis://",
+        "redis://h:notaport",
+        "redis://h:70000",
+        "redis://a:1,b:2",
+        "redis://h/x",
+        "redis+cluster://a:1,b:2/3",
+        "redis://h:1?ssl=true",
+    ],
+)
+def test_bad_urls_are_refused(url):
+    with pytest.raises(RedisUrlError):
+        parse_redis_url(url)
+
+
+def test_bad_url_error_hides_the_password():
+    with pytest.raises(RedisUrlError) as info:
+        parse_redis_url("redis://:hunter2@h:99999")
+    assert "hunter2" not in str(info.value)
+
+
+def test_roundtrip_contains_delete_and_usage(redis_url):
+    async def main():
+        tier = RedisTier(redis_url)
+        assert await tier.put([("k-1", b"one"), ("k-2", bytearray(b"two" * 1000))]) == [True, True]
+        assert await tier.contains(["k-1", "k-2", "k-3"]) == [True, True, False]
+        assert await tier.get(["k-2", "k-3", "k-1"]) == [b"two" * 1000, None, b"one"]
+        assert await tier.probe() and tier.usage_bytes > 0 and tier.entries == 2
+        assert await tier.delete(["k-1"]) == 1
+        assert await tier.get(["k-1"]) == [None]
+        await tier.aclose()
+
+    asyncio.run(main())
+
+
+def test_put_keeps_what_redis_already_holds(redis_url):
+    async def main():
+        tier = RedisTier(redis_url)
+        assert await tier.put([("k-1", b"first")]) == [True]
+        assert await tier.put([("k-1", b"second"), ("k-2", b"new")]) == [True, True]
+        assert await tier.get(["k-1", "k-2"]) == [b"first", b"new"]
+        assert tier.counters["puts"] == 2
+        await tier.aclose()
+
+    asyncio.run(main())
+
+
+def test_ttl_expires_records(redis_url):
+    async def main():
+        tier = RedisTier(redis_url, ttl_s=0.2)
+        await tier.put([("k-1", b"x")])
+        assert await tier.get(["k-1"]) == [b"x"]
+        await asyncio.sleep(0.35)
+        assert await tier.get(["k-1"]) == [None]
+        await tier.aclose()
+
+    asyncio.run(main())
+
+
+def test_clear_only_touches_the_prefix_and_spares_pins(redis_url, redis_server):
+    async def main():
+        tier = RedisTier(redis_url)
+        await tier.put([("m1-a", b"1"), ("m1-b", b"2"), ("m2-a", b"3")])
+        tier.pins.pin(["m1-b"])
+        assert await tier.clear("m1-") == 1
+        assert await tier.contains(["m1-a", "m1-b", "m2-a"]) == [False, True, True]
+        await tier.aclose()
+
+    redis_server.client().set("unrelated", b"keep")
+    asyncio.run(main())
+    assert redis_server.client().get("unrelated") == b"keep"
+
+
+def test_password_protected_server(redis_factory):
+    server = redis_factory("--requirepass", "s3cret")
+
+    async def main():
+        good = RedisTier(server.url)
+        assert await good.put([("k", b"v")]) == [True]
+        assert await good.get(["k"]) == [b"v"]
+        bad = RedisTier(f"redis://:wrong@127.0.0.1:{server.port}")
+        assert await bad.get(["k"]) == [None]
+        assert bad.health.state == "unhealthy" and bad.counters["errors"] == 1
+        await good.aclose()
+        await bad.aclose()
+
+    asyncio.run(main())
+
+
+def test_killed_redis_gives_misses_and_recovers_by_itself(redis_factory):
+    server = redis_factory()
+
+    async def main():
+        tier = RedisTier(server.url, op_timeout_s=0.5, probe_interval_s=0.05)
+        tier.health = type(tier.health)(min_backoff_s=0.05, max_backoff_s=0.2)
+        probe = asyncio.create_task(tier.workers()[0][1]())
+        assert await tier.put([("k", b"v")]) == [True]
+        server.kill()
+        start = time.monotonic()
+        assert await tier.get(["k"]) == [None]
+        assert await tier.put([("k2", b"v")]) == [False]
+        assert await tier.contains(["k"]) == [False]
+        assert time.monotonic() - start < 1.0
+        assert tier.health.state == "unhealthy"
+        await asyncio.to_thread(server.start)  # same port, empty (no persistence)
+        for _ in range(100):
+            if tier.health.state == "healthy":
+                break
+            await asyncio.sleep(0.05)
+        assert tier.health.state == "healthy"  # recovered without any traffic
+        assert await tier.put([("k", b"again")]) == [True]
+        assert await tier.get(["k"]) == [b"again"]
+        probe.cancel()
+        await tier.aclose()
+
+    asyncio.run(main())
+
+
+def test_paused_redis_is_bounded_by_the_timeout(redis_factory):
+    server = redis_factory()
+
+    async def main():
+        tier = RedisTier(server.url, op_timeout_s=0.3)
+        tier.health = type(tier.health)(min_backoff_s=0.05)
+        await tier.put([("k", b"v")])
+        server.pause()
+        try:
+            start = time.monotonic()
+            assert await tier.get(["k"]) == [None]
+            assert time.monotonic() - start < 0.6
+            assert tier.health.state == "unhealthy"
+        finally:
+            server.resume()
+        await asyncio.sleep(0.1)
+        assert await tier.get(["k"]) == [b"v"]
+        assert tier.health.state == "healthy"
+        await tier.aclose()
+
+    asyncio.run(main())
+
+
+def test_cluster_roundtrip_across_slots(redis_cluster):
+    keys = [f"k-{i:03d}" for i in range(60)]
+
+    async def main():
+        tier = RedisTier(redis_cluster)
+        assert await tier.put([(k, k.encode() * 10) for k in keys]) == [True] * len(keys)
+        assert await tier.contains([*keys, "absent"]) == [True] * len(keys) + [False]
+        assert await tier.get(keys) == [k.encode() * 10 for k in keys]
+        assert await tier.probe() and tier.entries >= len(keys)
+        assert await tier.clear("k-") == len(keys)
+        assert await tier.contains(keys[:5]) == [False] * 5
+        await tier.aclose()
+
+    asyncio.run(main())

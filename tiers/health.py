@@ -1,0 +1,59 @@
+"""Health of a tier, with exponential backoff that lets it recover by itself.
+
+After a failure the tier is UNHEALTHY and `available()` says no until a backoff delay
+has passed; then one operation is let through as a probe. Success makes the tier
+HEALTHY again; another failure doubles the delay (up to a cap). A dead Redis therefore
+costs no network round trip on the hot path, and nobody has to reset anything when it
+comes back.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+
+class Health(enum.StrEnum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        min_backoff_s: float = 0.25,
+        max_backoff_s: float = 8.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._min = min_backoff_s
+        self._max = max_backoff_s
+        self._backoff = min_backoff_s
+        self._retry_at = 0.0
+        self.state = Health.HEALTHY
+        self.last_error: str | None = None
+
+    def available(self) -> bool:
+        """True when healthy, or when the backoff has passed and a probe may go out."""
+        with self._lock:
+            return self.state is Health.HEALTHY or self._clock() >= self._retry_at
+
+    def record_success(self) -> None:
+        with self._lock:
+            self.state = Health.HEALTHY
+            self._backoff = self._min
+
+    def record_failure(self, error: BaseException | str) -> None:
+        with self._lock:
+            if self.state is Health.HEALTHY:
+                self._backoff = self._min
+            else:
+                self._backoff = min(self._backoff * 2, self._max)
+            self.state = Health.UNHEALTHY
+            self.last_error = (
+                error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            )
+            self._retry_at = self._clock() + self._backoff

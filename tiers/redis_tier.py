@@ -1,0 +1,242 @@
+"""Redis tier: records in a standalone Redis or a Redis Cluster, shared by instances.
+
+Batches go out as one non-transactional pipeline (GET/SET/EXISTS per key), which also
+works across cluster slots. The pipeline runs on redis-py's blocking client in an I/O
+thread (one executor job per batch): its socket path sends big values with sendall and
+no copy, where the asyncio client joins a whole pipeline into one buffer and copies it
+again into the transport (measured about 3x slower for 1 MiB values on loopback).
+Every operation is bounded by `op_timeout_s` (socket timeout and await timeout);
+redis-py's own retries are off so that the bound holds. A failure marks the tier unhealthy and
+later operations return misses without touching the network until the backoff passes
+(see tiers.health); a background probe pings the server so the tier recovers by itself
+when Redis comes back, even without traffic. Capacity and usage are read from
+`INFO memory` (maxmemory, used_memory) by the same probe; evictions are Redis's own
+business (configure `maxmemory-policy allkeys-lru`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from redis import Redis, RedisCluster
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode
+from redis.connection import (
+    Connection,
+    ConnectionPool,
+    Encoder,
+    PythonRespSerializer,
+    SSLConnection,
+)
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from tiers.base import Buffer, RecordTier, Worker
+from tiers.pins import PinTable
+from tiers.redis_url import RedisTarget, parse_redis_url
+
+T = TypeVar("T")
+_FAILURES = (RedisError, OSError, TimeoutError)
+SOCKET_READ_SIZE = 1 << 18  # replies are whole records: read in big pieces
+BUFFER_CUTOFF = 6000  # arguments longer than this are sent as separate buffers
+
+
+class RedisTier(RecordTier):
+    name = "redis"
+    remote = True
+
+    def __init__(
+        self,
+        url: str,
+        pins: PinTable | None = None,
+        ttl_s: float | None = None,
+        key_prefix: str = "kvtier:",
+        op_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        probe_interval_s: float = 1.0,
+        max_connections: int = 32,
+    ) -> None:
+        super().__init__(pins)
+        self.target = parse_redis_url(url)
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.key_prefix = key_prefix
+        self.op_timeout_s = op_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self._client = _make_client(self.target, op_timeout_s, connect_timeout_s, max_connections)
+        self._capacity = 0
+        self._usage = 0
+        self._entries = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Redis maxmemory summed over masters (0: no limit configured, or unknown yet)."""
+        return self._capacity
+
+    @property
+    def usage_bytes(self) -> int:
+        return self._usage
+
+    @property
+    def entries(self) -> int:
+        """Keys in the database (all of them, not only ours)."""
+        return self._entries
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.exists(key))
+        return [False] * len(keys) if replies is None else [bool(r) for r in replies]
+
+    async def get(
+        self, keys: Sequence[str], into: Sequence[bytearray] | None = None
+    ) -> list[Buffer | None]:
+        """Pipelined GETs; `into` is not used (redis-py allocates the replies)."""
+        start = time.perf_counter()
+        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
+        if replies is None:
+            return [None] * len(keys)
+        self.counters.add(bytes_read=sum(len(r) for r in replies if r is not None))
+        self.counters.observe_get(time.perf_counter() - start)
+        return list(replies)
+
+    async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """Store records that Redis does not hold yet (records are content addressed):
+        one EXISTS pipeline, then one SET pipeline for the missing ones, in one I/O job."""
+        if not items:
+            return []
+        start = time.perf_counter()
+        keys = [self.key_prefix + key for key, _ in items]
+
+        def run() -> tuple[list[bool], list[int]]:
+            with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                present = [bool(r) for r in pipe.execute()]
+                missing = [i for i, there in enumerate(present) if not there]
+                for i in missing:
+                    pipe.set(keys[i], items[i][1], px=self.ttl_ms)
+                for i, ok in zip(missing, pipe.execute() if missing else [], strict=True):
+                    present[i] = bool(ok)
+                return present, missing
+
+        outcome = await self._guarded(run, None)
+        if outcome is None:
+            return [False] * len(items)
+        stored, written = outcome
+        self.counters.add(
+            puts=len(written), bytes_written=sum(memoryview(items[i][1]).nbytes for i in written)
+        )
+        self.counters.observe_put(time.perf_counter() - start)
+        return stored
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.delete(key))
+        removed = 0 if replies is None else sum(int(r) for r in replies)
+        self.counters.add(deletes=removed)
+        return removed
+
+    async def clear(self, prefix: str = "") -> int:
+        def scan() -> list[str]:
+            found = self._client.scan_iter(match=f"{self.key_prefix}{prefix}*", count=1000)
+            return [k.decode()[len(self.key_prefix) :] for k in found]
+
+        keys = await self._guarded(scan, None)
+        if not keys:
+            return 0
+        return await self.delete([k for k in keys if not self.pins.is_pinned(k)])
+
+    def workers(self) -> Sequence[Worker]:
+        return (("redis-probe", self._probe_forever),)
+
+    async def probe(self) -> bool:
+        """One health/usage probe (PING + INFO memory); True if Redis answered."""
+        info = await self._guarded(self._read_info, None, force=True)
+        if info is None:
+            return False
+        self._capacity, self._usage, self._entries = info
+        return True
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._client.close)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            if self.health.available():
+                await self.probe()
+
+    def _read_info(self) -> tuple[int, int, int]:
+        if isinstance(self._client, RedisCluster):
+            per_node = self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            sizes = self._client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+            infos = list(per_node.values())
+            entries = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
+        else:
+            infos = [self._client.info("memory")]
+            entries = self._client.dbsize()
+        capacity = sum(int(i.get("maxmemory", 0)) for i in infos)
+        usage = sum(int(i.get("used_memory", 0)) for i in infos)
+        return capacity, usage, entries
+
+    async def _pipelined(
+        self, keys: Sequence[str], add: Callable[[Any, int, str], Any]
+    ) -> list | None:
+        """Run `add(pipe, index, prefixed_key)` per key in one pipeline; None if Redis failed."""
+        if not keys:
+            return []
+
+        def run() -> list:
+            with self._client.pipeline(transaction=False) as pipe:
+                for index, key in enumerate(keys):
+                    add(pipe, index, self.key_prefix + key)
+                return pipe.execute()
+
+        return await self._guarded(run, None)
+
+    async def _guarded(self, op: Callable[[], T], fallback: T, force: bool = False) -> T:
+        """Run blocking `op` in an I/O thread under the timeout; failures are counted,
+        change health and give `fallback`."""
+        if not force and not self.health.available():
+            return fallback
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(op), self.op_timeout_s)
+        except _FAILURES as exc:
+            self.counters.add(errors=1)
+            self.health.record_failure(exc)
+            return fallback
+        self.health.record_success()
+        return result
+
+
+def _make_client(
+    target: RedisTarget, op_timeout_s: float, connect_timeout_s: float, max_connections: int
+) -> Redis | RedisCluster:
+    common: dict[str, Any] = {
+        "username": target.username,
+        "password": target.password,
+        "socket_timeout": op_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "max_connections": max_connections,
+        "socket_read_size": SOCKET_READ_SIZE,
+    }
+    if target.cluster:
+        nodes = [ClusterNode(host, port) for host, port in target.nodes]
+        return RedisCluster(
+            startup_nodes=nodes, ssl=target.ssl, retry=Retry(NoBackoff(), 1), **common
+        )
+    host, port = target.nodes[0]
+    pool = ConnectionPool(
+        connection_class=SSLConnection if target.ssl else Connection,
+        host=host,
+        port=port,
+        db=target.db,
+        retry=Retry(NoBackoff(), 0),
+        # redis-py's Python packer sends a big value as its own buffer; the hiredis packer
+        # (chosen by default when hiredis is installed) copies every value into one bytes.
+        command_packer=PythonRespSerializer(
+            BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode
+        ),
+        **common,
+    )
+    return Redis(connection_pool=pool)
