@@ -60,6 +60,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Shut the engine down (writes out pending KV saves)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -1,11 +1,15 @@
-"""LLMEngine: tokenizes, admits and aborts requests, and runs one scheduler step at a time."""
+"""LLMEngine: tokenizes, admits and aborts requests, and runs one scheduler step at a time.
+
+With --kv-offload it also owns the KV connector and its store (engine/kv_offload.py):
+its stats, the admin operations (pin, unpin, flush) and its shutdown.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +21,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_offload import build_connector
 from engine.model_runner import ModelRunner, allocate_kv_cache
 from engine.models import ModelSpec, load_model, resolve_dtype
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -28,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
 CUDA_KV_CACHE_FRACTION = 0.5
+# How long an idle step (only KV loads in flight) waits for one to finish.
+LOAD_WAIT_S = 0.01
 
 
 class DuplicateRequestError(ValueError):
@@ -64,10 +71,10 @@ class LLMEngine:
             self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device,
         )
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.config, self.kv_cache_manager, BlockHasher(self.fingerprint.digest, config.block_size)
-        )
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size)
+        self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
+        self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self._tracked: dict[str, _Tracked] = {}
 
     # ---- requests -------------------------------------------------------------------------
@@ -127,6 +134,8 @@ class LLMEngine:
         """Schedule, run the model once, and report every request that changed."""
         out = self.scheduler.schedule()
         if not out.requests:
+            if self.scheduler.num_loading:
+                self.connector.wait_for_loads(LOAD_WAIT_S)
             return []
         try:
             sampled = self.runner.execute(out)
@@ -229,9 +238,44 @@ class LLMEngine:
         return int(blocks)
 
     def stats(self) -> dict:
+        """Flat counters (scheduler, device pool, `kv_*` connector counters), plus
+        `kv_tiers` (see kv_store_stats) when a store is configured."""
         stats = dict(self.scheduler.stats())
         stats.update(num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size)
+        stats.update(self.connector.stats())
+        if self.config.kv_offload:
+            stats["kv_tiers"] = self.kv_store_stats()
         return stats
+
+    # ---- KV store administration ----------------------------------------------------------
+    # Each raises connectors.KVStoreNotConfiguredError when there is no --kv-offload.
+
+    def kv_store_stats(self) -> dict[str, dict]:
+        """Per tier: store counters, hit/miss tokens, usage, health and latency histograms
+        (the `kv_tiers` contract of engine/server/metrics.py)."""
+        return self.connector.tier_stats()
+
+    def kv_pin(
+        self, prompt: str | list[int], ttl: float | None = None, cache_salt: str | None = None
+    ) -> dict[str, int]:
+        """Keep the stored chunks of this prompt's prefix in the cpu and disk tiers for
+        `ttl` seconds (None: until unpinned); chunks not saved yet are pinned when saved."""
+        chunks = self.connector.pin(self._prefix_hashes(prompt, cache_salt), ttl)
+        return {"pinned_chunks": chunks, "pinned_tokens": chunks * self.config.kv_chunk_tokens}
+
+    def kv_unpin(self, prompt: str | list[int], cache_salt: str | None = None) -> dict[str, int]:
+        return {"unpinned_chunks": self.connector.unpin(self._prefix_hashes(prompt, cache_salt))}
+
+    def kv_flush(self, tiers: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
+        """Drop this model's unpinned chunks from the given tiers (default all)."""
+        return {"flushed_chunks": self.connector.flush(tiers)}
+
+    def _prefix_hashes(self, prompt: str | list[int], cache_salt: str | None) -> list[bytes]:
+        return self.block_hasher.hashes(self.encode(prompt), cache_salt)
+
+    def shutdown(self) -> None:
+        """Close the KV store: pending saves are written out (bounded wait)."""
+        self.connector.close()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -262,6 +306,7 @@ def request_metrics(request: Request) -> RequestMetrics:
         first_token_time=request.first_token_time,
         finish_time=request.finish_time,
         num_cached_tokens=max(request.num_cached_tokens, 0),
+        num_external_tokens=request.num_external_tokens,
         num_preemptions=request.num_preemptions,
     )
 

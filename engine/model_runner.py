@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connectors.base import NullConnector, WorkerConnector
 from engine.sampler import Sampler, make_generator
 from engine.scheduler import SchedulerOutput
 from kernels.metadata import AttentionMetadata
@@ -32,10 +33,17 @@ def allocate_kv_cache(
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
+    """Runs steps; the connector's worker side writes loaded KV into the cache before
+    the forward and copies completed chunks out after it."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+        connector: WorkerConnector | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.connector: WorkerConnector = connector or NullConnector()
         self.device = kv_cache.device
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
@@ -43,7 +51,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         batch = self.prepare(out)
         with torch.inference_mode():
+            self.connector.start_load_kv(out.connector_meta)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            self.connector.wait_for_save()
             if not batch.sampled_requests:
                 return {}
             logits = self.model.compute_logits(hidden[batch.sample_rows])

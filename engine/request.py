@@ -27,7 +27,8 @@ class RequestStatus(enum.Enum):
 @dataclass
 class Request:
     """Token state of one request. `block_hashes` holds the chained hash of every full
-    block of `all_token_ids` (prompt and output), extended as tokens are appended."""
+    block of `all_token_ids` (prompt and output), extended as tokens are appended.
+    WAITING_FOR_REMOTE_KV: admitted, its blocks allocated, waiting for a KV store load."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -40,7 +41,9 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1
+    peak_computed_tokens: int = 0  # most tokens ever computed: beyond a resume, work redone
+    num_cached_tokens: int = -1  # device and store hits at first admission (-1: not yet)
+    num_external_tokens: int = 0  # of those, tokens loaded from the KV store
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,11 +1,21 @@
-"""Continuous batching with one token budget, chunked prefill and recompute preemption.
+"""Continuous batching with one token budget, chunked prefill, preemption and KV loads.
 
-Each `schedule()` walks the running requests in admission order (decodes and unfinished
-prefill chunks), then admits waiting ones first come first served. A request gets
-`min(remaining tokens, remaining budget)` tokens, so long prompts are chunked across
-steps and prefill chunks share a step with decodes. When the pool runs out of blocks the
-most recently admitted running request is preempted (recompute): its blocks are freed
-but keep their hashes, so its resume usually hits the prefix cache.
+Each `schedule()` first takes in the asynchronous KV loads that finished, then walks the
+running requests in admission order (decodes and unfinished prefill chunks), then admits
+waiting ones first come first served. A request gets `min(remaining tokens, remaining
+budget)` tokens, so long prompts are chunked across steps and prefill chunks share a step
+with decodes. When the pool runs out of blocks the most recently admitted running
+request is preempted: in offload mode the connector first saves its computed chunks;
+then its blocks are freed but keep their hashes, so its resume usually hits the prefix
+cache or the store.
+
+The connector (connectors/base.py) is asked at admission how many tokens after the
+device prefix hit the store can supply. A synchronous answer is admitted at once with
+those tokens computed; an asynchronous one gets blocks for them and waits in `loading`
+(status WAITING_FOR_REMOTE_KV, no compute, no budget, but a `max_num_seqs` slot) until
+`get_finished` reports how many tokens really arrived; it then joins the running
+requests and computes the rest. Requests still queued are handed to the connector's
+`prefetch`.
 
 Block hashes: `add_request` hashes the prompt's full blocks and `update_from_output`
 hashes each output block as it fills, both with the `BlockHasher` given here.
@@ -16,8 +26,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from itertools import islice
 
+from connectors.base import NullConnector, SchedulerConnector
 from engine.block_pool import KVBlock
 from engine.config import EngineConfig
 from engine.hashing import BlockHasher
@@ -52,31 +63,6 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
-class SchedulerConnector(Protocol):
-    """The scheduler side of the KV connector (DESIGN.md), as this scheduler calls it.
-
-    - `get_num_new_matched_tokens`: at admission, after the device prefix hit of
-      `num_computed_tokens` tokens: how many further tokens the store can supply, and
-      whether loading them is asynchronous (not supported yet: raises).
-    - `update_state_after_alloc`: after a successful admission, with the request's whole
-      block table; the external tokens go right after the device prefix hit.
-    - `build_meta`: once per step, the worker-side metadata (`SchedulerOutput.connector_meta`).
-    - `request_finished`: when a request finishes; True keeps its blocks until the
-      engine reports the save done with `Scheduler.finish_saving`."""
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]: ...
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: list[KVBlock], num_external_tokens: int
-    ) -> None: ...
-
-    def build_meta(self, output: SchedulerOutput) -> object: ...
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool: ...
-
-
 class Scheduler:
     def __init__(
         self,
@@ -90,12 +76,15 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.block_hasher = block_hasher
-        self.connector = connector
+        self.connector: SchedulerConnector = connector or NullConnector()
+        self.offload_on_preempt = config.effective_preemption_mode == "offload"
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
         self.saving: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_recomputed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -119,6 +108,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.loading[request_id]
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -136,7 +127,7 @@ class Scheduler:
                 self.kv.free(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
 
     @property
     def num_running(self) -> int:
@@ -146,12 +137,20 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
+
     def stats(self) -> dict[str, int | float]:
-        """Counters under vLLM's metric names; prefix-cache counts are tokens."""
+        """Counters under vLLM's metric names; prefix-cache counts are tokens. Waiting
+        includes the requests whose KV is loading; recomputed tokens are tokens computed
+        again after a preemption."""
         return {
             "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
+            "num_requests_waiting": len(self.waiting) + len(self.loading),
+            "num_requests_loading_kv": len(self.loading),
             "num_preemptions_total": self.num_preemptions_total,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "kv_cache_usage_perc": self.kv.usage,
@@ -161,12 +160,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and advance the chosen requests' num_computed_tokens."""
+        self._collect_transfers()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.connector is not None:
-            out.connector_meta = self.connector.build_meta(out)
+        self.connector.prefetch(list(islice(self.waiting, self.config.max_num_seqs)))
+        out.connector_meta = self.connector.build_meta(out)
         return out
 
     def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
@@ -238,6 +238,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        if self.offload_on_preempt:
+            self.connector.request_preempted(request, self.kv.get_block_ids(request.request_id))
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -246,9 +248,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting and budget > 0
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
-            num_new = self._admit(request, budget)
+            hits, num_local = self.kv.get_computed_blocks(request)
+            num_external, load_async = self._num_external_tokens(request, num_local)
+            if load_async:
+                if not self._start_remote_load(request, hits, num_local, num_external):
+                    break
+                continue
+            num_new = self._admit(request, hits, num_local, num_external, budget)
             if num_new is None:
                 break
             self.waiting.popleft()
@@ -256,37 +267,70 @@ class Scheduler:
             self._add_to_output(out, request, num_new)
             budget -= num_new
 
-    def _admit(self, request: Request, budget: int) -> int | None:
-        """Prefix lookup and allocation for a waiting request; its first chunk's size,
-        or None when the pool cannot hold it now."""
-        hits, num_local = self.kv.get_computed_blocks(request)
-        num_external = self._num_external_tokens(request, num_local)
+    def _admit(
+        self, request: Request, hits: list[KVBlock], num_local: int, num_external: int, budget: int
+    ) -> int | None:
+        """Allocation for a waiting request whose external tokens (if any) are loaded
+        before this step's forward; its first chunk's size, or None when the pool cannot
+        hold it now."""
         num_computed = num_local + num_external
         num_new = min(request.num_tokens - num_computed, budget)
         if self.kv.allocate_slots(request, num_new, hits, num_external) is None:
             return None
-        if self.connector is not None:
-            blocks = self.kv.get_blocks(request.request_id)
-            self.connector.update_state_after_alloc(request, blocks, num_external)
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+        self._note_admitted(request, num_local, num_external)
         return num_new
 
-    def _num_external_tokens(self, request: Request, num_computed: int) -> int:
+    def _start_remote_load(
+        self, request: Request, hits: list[KVBlock], num_local: int, num_external: int
+    ) -> bool:
+        """Admit a request whose external tokens load asynchronously: blocks for the
+        device hit and the external tokens now, computing once the load is in. False
+        when the pool cannot hold them now."""
+        if self.kv.allocate_slots(request, 0, hits, num_external) is None:
+            return False
+        self.waiting.popleft()
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_local
+        self.loading[request.request_id] = request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        return True
+
+    def _collect_transfers(self) -> None:
+        """Free the blocks of requests saved meanwhile; move requests whose load
+        finished to the running set, with the tokens that really arrived computed."""
+        saved, loaded = self.connector.get_finished()
+        self.finish_saving(list(saved))
+        for request_id, num_loaded in loaded.items():
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            num_local = request.num_computed_tokens
+            request.num_computed_tokens = num_local + num_loaded
+            request.status = RequestStatus.RUNNING
+            self._note_admitted(request, num_local, num_loaded)
+            self.running.append(request)
+
+    def _note_admitted(self, request: Request, num_local: int, num_external: int) -> None:
+        """Record the first admission's cache hits (device and store) and time."""
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local + num_external
+            request.num_external_tokens = num_external
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+
+    def _num_external_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """Tokens the connector can load after the device hit, leaving the last token
-        to compute."""
-        if self.connector is None:
-            return 0
+        to compute, and whether they load asynchronously."""
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
-        if load_async:
-            raise NotImplementedError(
-                "asynchronous KV loads (WAITING_FOR_REMOTE_KV) are not supported yet"
-            )
-        return max(min(num_external, request.num_tokens - 1 - num_computed), 0)
+        num_external = max(min(num_external, request.num_tokens - 1 - num_computed), 0)
+        return num_external, load_async and num_external > 0
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -296,6 +340,8 @@ class Scheduler:
         out.block_tables.append(self.kv.get_block_ids(request.request_id))
         out.sample.append(start + num_new == request.num_tokens)
         request.num_computed_tokens = start + num_new
+        self.num_recomputed_tokens += max(min(start + num_new, request.peak_computed_tokens) - start, 0)
+        request.peak_computed_tokens = max(request.peak_computed_tokens, start + num_new)
 
     def _extend_hashes(self, request: Request) -> None:
         """Hash the output block the last token filled, if it filled one."""
@@ -322,7 +368,7 @@ class Scheduler:
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
         block_ids = self.kv.get_block_ids(request.request_id)
-        if self.connector is not None and self.connector.request_finished(request, block_ids):
+        if self.connector.request_finished(request, block_ids):
             self.saving[request.request_id] = request
         else:
             self.kv.free(request)

@@ -14,6 +14,7 @@ from array import array
 
 import pytest
 
+from connectors.base import NullConnector
 from engine.config import EngineConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
@@ -346,40 +347,64 @@ def test_request_finished_while_its_step_runs_is_left_alone():
         scheduler.finish_requests(["a"], RequestStatus.RUNNING)
 
 
-class FakeConnector:
-    """Supplies `external` tokens after the device hit by writing them into the fake KV
-    cache as a real load would, and keeps finished requests' blocks until saved."""
+class FakeConnector(NullConnector):
+    """Supplies `external[request_id]` tokens after the device hit by writing them into
+    the fake KV cache as a real load would: at once, or, for an asynchronous load, when
+    the test calls `finish_load` (possibly with fewer tokens than promised). Keeps
+    finished requests' blocks until saved; records preemptions with the blocks they see."""
 
-    def __init__(self, model: FakeModel, external: int, load_async: bool = False) -> None:
+    def __init__(
+        self, model: FakeModel, external: dict[str, int], load_async: bool = False, keep_blocks: bool = True
+    ) -> None:
         self.model = model
         self.external = external
         self.load_async = load_async
+        self.keep_blocks = keep_blocks
         self.device_hit: dict[str, int] = {}
         self.loaded: dict[str, tuple[int, int]] = {}
+        self.in_flight: dict[str, list[int]] = {}
+        self.arrived: dict[str, int] = {}
         self.finished: list[str] = []
+        self.preempted: list[tuple[str, int, list[int]]] = []
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self.device_hit[request.request_id] = num_computed_tokens
-        return self.external, self.load_async
+        return self.external.get(request.request_id, 0), self.load_async
 
-    def update_state_after_alloc(self, request: Request, blocks: list, num_external_tokens: int) -> None:
-        table = [b.block_id for b in blocks]
-        start = self.device_hit[request.request_id]
-        for position in range(start, start + num_external_tokens):
-            self.model.kv[slot(table, position)] = request.all_token_ids[position]
-        self.loaded[request.request_id] = (start, num_external_tokens)
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if self.load_async and num_external_tokens:
+            self.in_flight[request.request_id] = block_ids
+        else:
+            self._write(request, block_ids, num_external_tokens)
+
+    def finish_load(self, request: Request, delivered: int) -> None:
+        self._write(request, self.in_flight.pop(request.request_id), delivered)
+        self.arrived[request.request_id] = delivered
+
+    def get_finished(self) -> tuple[set[str], dict[str, int]]:
+        arrived, self.arrived = self.arrived, {}
+        return set(), arrived
 
     def build_meta(self, output: SchedulerOutput) -> object:
         return {"num_requests": len(output.requests)}
 
+    def request_preempted(self, request: Request, block_ids: list[int]) -> None:
+        self.preempted.append((request.request_id, request.num_computed_tokens, block_ids))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         self.finished.append(request.request_id)
-        return True
+        return self.keep_blocks
+
+    def _write(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        start = self.device_hit[request.request_id]
+        for position in range(start, start + num_tokens):
+            self.model.kv[slot(block_ids, position)] = request.all_token_ids[position]
+        self.loaded[request.request_id] = (start, num_tokens)
 
 
 def test_connector_hooks_load_external_tokens_and_delay_freeing():
     model = FakeModel()
-    connector = FakeConnector(model, external=8)
+    connector = FakeConnector(model, {"a": 8})
     scheduler = make_scheduler(connector=connector)
     prompt = list(range(13))
     request = make_request("a", prompt)
@@ -388,7 +413,7 @@ def test_connector_hooks_load_external_tokens_and_delay_freeing():
     assert out.connector_meta == {"num_requests": 1}
     assert connector.loaded == {"a": (0, 8)}
     assert out.start_positions == [8] and out.num_new_tokens == [5]
-    assert request.num_cached_tokens == 8
+    assert request.num_cached_tokens == 8 and request.num_external_tokens == 8
     run(scheduler, model)
     assert request.output_token_ids == reference(prompt, 4)
     assert connector.finished == ["a"]
@@ -399,19 +424,79 @@ def test_connector_hooks_load_external_tokens_and_delay_freeing():
 
 def test_connector_tokens_are_capped_to_leave_the_last_token():
     model = FakeModel()
-    scheduler = make_scheduler(connector=FakeConnector(model, external=100))
+    scheduler = make_scheduler(connector=FakeConnector(model, {"a": 100}))
     request = make_request("a", list(range(9)))
     scheduler.add_request(request)
     out = step(scheduler, model)
     assert out.start_positions == [8] and out.num_new_tokens == [1] and out.sample == [True]
 
 
-def test_async_connector_loads_are_refused_explicitly():
+def test_async_load_waits_while_others_run_then_computes_what_did_not_arrive():
     model = FakeModel()
-    scheduler = make_scheduler(connector=FakeConnector(model, external=4, load_async=True))
-    scheduler.add_request(make_request("a", list(range(9))))
-    with pytest.raises(NotImplementedError):
-        scheduler.schedule()
+    connector = FakeConnector(model, {"a": 12}, load_async=True)
+    scheduler = make_scheduler(connector=connector, max_num_seqs=2)
+    a = make_request("a", list(range(17)), max_tokens=3)
+    b, c = make_request("b", [5, 6, 7], max_tokens=6), make_request("c", [8, 9], max_tokens=2)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    for _ in range(2):
+        out = step(scheduler, model)
+        assert out.requests == [b], "the loading request holds a seat but is not scheduled"
+        assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV and len(scheduler.kv.get_blocks("a")) == 3
+        assert scheduler.stats()["num_requests_loading_kv"] == 1
+    connector.finish_load(a, delivered=8)  # only 2 of the 3 promised blocks arrived
+    out = step(scheduler, model)
+    assert out.requests[-1] is a and out.start_positions[-1] == 8 and out.num_new_tokens[-1] == 9
+    assert a.num_external_tokens == 8 and a.num_cached_tokens == 8
+    run(scheduler, model)
+    for request in (a, b, c):
+        assert request.output_token_ids == reference(request.prompt_token_ids, request.sampling_params.max_tokens)
+    scheduler.finish_saving(["a", "b", "c"])
+    assert_all_blocks_released(scheduler)
+
+
+def test_abort_while_loading_releases_the_blocks():
+    model = FakeModel()
+    connector = FakeConnector(model, {"a": 8}, load_async=True)
+    scheduler = make_scheduler(connector=connector)
+    scheduler.add_request(make_request("a", list(range(13))))
+    assert scheduler.schedule().requests == []
+    assert scheduler.has_unfinished_requests()
+    scheduler.abort_requests(["a"])
+    scheduler.finish_saving(["a"])
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_released(scheduler)
+
+
+def test_offload_mode_hands_the_victim_to_the_connector_before_freeing():
+    model = FakeModel()
+    connector = FakeConnector(model, {}, keep_blocks=False)
+    config = EngineConfig(block_size=BS, max_num_batched_tokens=64, kv_offload="cpu")
+    scheduler = Scheduler(config, KVCacheManager(7, BS), BlockHasher(b"fake-model", BS), connector)
+    requests = [make_request(rid, [base + i for i in range(8)], 4) for rid, base in (("a", 0), ("b", 100), ("c", 200))]
+    for request in requests:
+        scheduler.add_request(request)
+    step(scheduler, model)
+    blocks_of_c = scheduler.kv.get_block_ids("c")
+    out = step(scheduler, model)
+    assert out.preempted == [requests[2]]
+    assert connector.preempted == [("c", 8, blocks_of_c)]
+    run(scheduler, model)
+    for request in requests:
+        assert request.output_token_ids == reference(request.prompt_token_ids, 4)
+
+
+def test_recomputed_tokens_count_work_redone_after_preemption():
+    model = FakeModel()
+    scheduler = make_scheduler(num_blocks=7, connector=None)
+    for rid, base in (("a", 0), ("b", 100), ("c", 200)):
+        scheduler.add_request(make_request(rid, [base + i for i in range(8)], max_tokens=4))
+    run(scheduler, model)
+    stats = scheduler.stats()
+    assert stats["num_preemptions_total"] == 1
+    # "c" had computed its 8 prompt tokens; its tail block was evicted, so the resume
+    # hits the first block and computes tokens 4..7 again.
+    assert stats["num_recomputed_tokens"] == BS
 
 
 def test_stats_names():
@@ -420,7 +505,9 @@ def test_stats_names():
     assert scheduler.stats() == {
         "num_requests_running": 0,
         "num_requests_waiting": 1,
+        "num_requests_loading_kv": 0,
         "num_preemptions_total": 0,
+        "num_recomputed_tokens": 0,
         "prefix_cache_queries": 0,
         "prefix_cache_hits": 0,
         "kv_cache_usage_perc": 0.0,

@@ -1,0 +1,189 @@
+"""The connector interface between the engine and a KV store (DESIGN.md, Connector
+interface), and the null connector the engine uses when no store is configured.
+
+Roles, as in vLLM's KV connector v1:
+
+- scheduler side: decides what to load and save. `get_num_new_matched_tokens` at
+  admission, `update_state_after_alloc` once the request's blocks exist, `build_meta`
+  once per step, `request_preempted` / `request_finished` when a request leaves the
+  running set, `prefetch` for requests still queued.
+- worker side: moves the bytes. `start_load_kv(meta)` before the step's forward,
+  `wait_for_save()` after it, `get_finished()` at the start of every schedule (which
+  asynchronous loads completed, and how many tokens each delivered), `wait_for_loads`
+  when nothing but loads is in flight.
+- admin side: pin, unpin, flush, stats and close, for the engine's admin methods.
+
+DESIGN.md's layer-wise hooks (`wait_for_layer_load`, `save_kv_layer`) are not part of
+this interface: loads complete before the forward and saves copy whole blocks after it
+(one index_select per chunk, see docs/ARCHITECTURE.md).
+
+The engine is single-process, so one object plays every role; the split keeps the
+device work (worker side) out of the scheduling decisions.
+
+Requests and batches are described structurally (`ConnectorRequest`, `ScheduledBatch`)
+so that this package does not import the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class KVStoreNotConfiguredError(RuntimeError):
+    """A store operation (pin, unpin, flush, store stats) on an engine without --kv-offload."""
+
+
+class ConnectorConfigError(ValueError):
+    """Store options that cannot work (too small a cpu tier, an unusable directory...)."""
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads of a request (engine.request.Request satisfies it)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class ScheduledBatch(Protocol):
+    """What `build_meta` reads of a step (engine.scheduler.SchedulerOutput satisfies it).
+    Request i computed up to its `num_computed_tokens` in blocks `block_tables[i]`."""
+
+    requests: list
+    block_tables: list[list[int]]
+
+
+FinishedTransfers = tuple[set[str], dict[str, int]]
+"""(ids of finished requests whose blocks may now be freed, {id: tokens loaded})."""
+
+
+class SchedulerConnector(Protocol):
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond the device hit of `num_computed_tokens` that the store can
+        supply, and whether they arrive asynchronously (the request then waits in
+        WAITING_FOR_REMOTE_KV and the true count comes from `get_finished`). For a
+        synchronous answer the count is exact: those tokens will be in the device
+        blocks before the next forward."""
+        ...
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """The request was admitted with `block_ids` as its whole block table; the
+        external tokens go right after the device hit."""
+        ...
+
+    def build_meta(self, output: ScheduledBatch) -> object:
+        """The worker-side work of this step (`SchedulerOutput.connector_meta`)."""
+        ...
+
+    def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        """Offload mode: called before a preempted request's blocks are freed."""
+        ...
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        """The request finished; True keeps its blocks until `get_finished` reports it
+        saved."""
+        ...
+
+    def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:
+        """These requests are still queued: start pulling their chunks closer."""
+        ...
+
+    def get_finished(self) -> FinishedTransfers: ...
+
+
+class WorkerConnector(Protocol):
+    def start_load_kv(self, meta: object) -> None: ...
+
+    def wait_for_save(self) -> None:
+        """Copy this step's completed chunks out of the device cache; returns once the
+        device blocks may be overwritten, never waiting on disk or network I/O."""
+        ...
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until an asynchronous load completes or `timeout_s` passes."""
+        ...
+
+
+class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
+    """Every role, plus the admin side the engine's kv_* methods call."""
+
+    def stats(self) -> dict[str, int | float]:
+        """Flat counters (`kv_*` names) merged into LLMEngine.stats()."""
+        ...
+
+    def tier_stats(self) -> dict[str, dict]: ...
+
+    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int: ...
+
+    def unpin(self, block_hashes: Sequence[bytes]) -> int: ...
+
+    def flush(self, tiers: Sequence[str] | None) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class NullConnector:
+    """No store: nothing to load or save; admin calls raise KVStoreNotConfiguredError."""
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_meta(self, output: ScheduledBatch) -> object:
+        return None
+
+    def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        return None
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        return False
+
+    def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:
+        return None
+
+    def get_finished(self) -> FinishedTransfers:
+        return set(), {}
+
+    def start_load_kv(self, meta: object) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        return None
+
+    def stats(self) -> dict[str, int | float]:
+        return {}
+
+    def tier_stats(self) -> dict[str, dict]:
+        raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
+        raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def unpin(self, block_hashes: Sequence[bytes]) -> int:
+        raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def flush(self, tiers: Sequence[str] | None) -> dict[str, int]:
+        raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,58 @@
+"""The engine's KV connector, built from its options: the null connector without
+--kv-offload, else a KVStoreConnector over a tiered store of the configured tiers."""
+
+from __future__ import annotations
+
+import torch
+
+from connectors.base import ConnectorConfigError, KVConnector, NullConnector
+from engine.config import ConfigError, EngineConfig
+from engine.kv_cache_manager import cdiv
+
+STAGING_MAX_BYTES = 1 << 30
+STAGING_SLACK_CHUNKS = 8
+
+
+def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: bytes) -> KVConnector:
+    """`config.max_model_len` must be resolved (LLMEngine does it). Store option errors
+    become ConfigError on --kv-offload."""
+    if not config.kv_offload:
+        return NullConnector()
+    from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
+
+    settings = ConnectorSettings(
+        chunk_tokens=config.kv_chunk_tokens,
+        save_decode=config.kv_save_decode,
+        load_timeout_s=config.kv_load_timeout,
+        staging_chunks=staging_chunks(config, chunk_bytes(config, kv_cache)),
+    )
+    try:
+        return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **store_options(config))
+    except ConnectorConfigError as exc:
+        raise ConfigError("kv_offload", str(exc)) from exc
+
+
+def store_options(config: EngineConfig) -> dict:
+    """kvstore.StoreConfig options from the engine's --kv-* flags."""
+    return {
+        "tiers": config.kv_offload,
+        "cpu_size": config.kv_offload_cpu_size,
+        "disk_path": config.disk_path if "disk" in config.kv_offload else None,
+        "disk_size": config.kv_offload_disk_size,
+        "redis_url": config.kv_redis_url,
+        "compress": None if config.kv_compress in (None, "none") else config.kv_compress,
+        "secret": config.kv_secret,
+        "load_timeout_s": config.kv_load_timeout,
+    }
+
+
+def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:
+    return kv_cache[0].nbytes * (config.kv_chunk_tokens // config.block_size)
+
+
+def staging_chunks(config: EngineConfig, nbytes: int) -> int:
+    """Host staging, in chunks: room for two whole requests of max_model_len in flight
+    (one loading while another is copied out) plus slack, at most STAGING_MAX_BYTES.
+    A load that finds no free buffer loads fewer chunks; a save skips the chunk."""
+    wanted = 2 * cdiv(config.max_model_len, config.kv_chunk_tokens) + STAGING_SLACK_CHUNKS
+    return max(STAGING_SLACK_CHUNKS, min(wanted, STAGING_MAX_BYTES // nbytes))
