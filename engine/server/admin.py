@@ -1,0 +1,117 @@
+"""The KV admin API under /kv/: stats, pin, unpin, flush. Mounted only with
+--enable-kv-admin, and every route requires `Authorization: Bearer <--admin-token>`.
+
+Store operations run on the engine thread (LLMEngine.kv_pin / kv_unpin / kv_flush);
+without --kv-offload they raise KVStoreNotConfiguredError, answered with 501. Per-tier
+stats come from the engine's published stats (`kv_tiers`, see metrics.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from connectors.base import KVStoreNotConfiguredError
+from engine.async_engine import EngineClosedError, EngineDeadError
+from engine.server.errors import APIError, engine_error, validation_error
+from engine.server.metrics import ENGINE_COUNTERS, ENGINE_GAUGES
+from engine.server.protocol import FlushRequest, PinRequest
+from engine.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def require_admin_token(request: Request) -> None:
+    """Refuse any request without the exact bearer token (constant-time comparison)."""
+    expected: str = request.app.state.kvtier.settings.admin_token
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(401, "The KV admin API needs an `Authorization: Bearer <token>` header.",
+                       type="authentication_error", code="missing_admin_token", headers=challenge)
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(401, "The admin token is not valid.", type="authentication_error",
+                       code="invalid_admin_token", headers=challenge)
+
+
+router = APIRouter(prefix="/kv", dependencies=[Depends(require_admin_token)])
+
+
+@router.get("/stats")
+async def kv_stats(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    stats = state.engine.stats
+    device_keys = (*ENGINE_GAUGES, *ENGINE_COUNTERS, "block_size")
+    return {
+        "device": {key: stats[key] for key in device_keys if key in stats},
+        "tiers": dict(stats.get("kv_tiers") or {name: {} for name in state.kv_offload}),
+        "store": "configured" if stats.get("kv_tiers") is not None else None,
+        "pending_requests": state.engine.num_pending_requests,
+    }
+
+
+@router.post("/pin")
+async def kv_pin(request: Request) -> dict[str, Any]:
+    """Keep the stored chunks of a prompt's prefix resident for `ttl` seconds."""
+    state = _state(request)
+    body = _parse(PinRequest, await request.body())
+    ttl, salt, prompt = body.ttl, body.cache_salt, _prefix(state, body)
+    result = await _store_call(state, lambda e: e.kv_pin(prompt(e), ttl, salt))
+    return {"ttl": ttl, **result}
+
+
+@router.post("/unpin")
+async def kv_unpin(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    body = _parse(PinRequest, await request.body())
+    salt, prompt = body.cache_salt, _prefix(state, body)
+    return await _store_call(state, lambda e: e.kv_unpin(prompt(e), salt))
+
+
+@router.post("/flush")
+async def kv_flush(request: Request) -> dict[str, Any]:
+    """Drop the unpinned chunks of the given tiers (all when `tiers` is null)."""
+    state = _state(request)
+    body = _parse(FlushRequest, await request.body() or b"{}")
+    unknown = [t for t in body.tiers or () if t not in state.kv_offload]
+    if unknown:
+        raise APIError(400, f"tier {unknown[0]!r} is not configured (--kv-offload)", param="tiers")
+    tiers = body.tiers
+    return await _store_call(state, lambda e: e.kv_flush(tiers))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvtier
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    """Validate a body only after authentication (FastAPI would parse it before)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def _prefix(state: ServerState, body: PinRequest) -> Callable[[Any], str | list[int]]:
+    """engine -> the prompt a request would send: the text or ids, or the chat encoding."""
+    state.check_model(body.model)
+    if body.messages is None:
+        prompt = body.prompt
+        return lambda engine: prompt
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    return lambda engine: engine.encode_chat(messages)
+
+
+async def _store_call(state: ServerState, fn: Callable[[Any], T]) -> T:
+    try:
+        return await state.engine.call(fn)
+    except KVStoreNotConfiguredError as exc:
+        raise APIError(501, "not available: no KV store configured", type="server_error",
+                       code="kv_store_unavailable") from exc
+    except (EngineClosedError, EngineDeadError) as exc:
+        raise engine_error(exc, state.settings.retry_after) from exc

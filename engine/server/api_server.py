@@ -1,0 +1,170 @@
+"""`kvtier serve`: the OpenAI-compatible FastAPI app, its routes, and the process lifecycle
+(bind, load, print the summary, run uvicorn, shut down gracefully on SIGINT/SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import disable_created_metrics
+
+from engine.config import ConfigError, EngineConfig
+from engine.server import admin
+from engine.server.cli_args import ServerSettings, settings_from_args
+from engine.server.errors import APIError, install_error_handlers
+from engine.server.middleware import BodySizeLimitMiddleware
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.server.serving import create_chat_completion, create_completion
+from engine.server.state import ServerState, create_state, default_model_names
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvtier
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(_state(request), body, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(_state(request), body, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    state = _state(request)
+    cards = [
+        ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=state.max_model_len)
+        for name in state.model_names
+    ]
+    return ModelList(data=cards)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not _state(request).engine.is_healthy:
+        raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = _state(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI app around a ready ServerState; stopping the app stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.engine.shutdown(graceful=True, timeout=state.settings.shutdown_timeout)
+
+    app = FastAPI(title="kvtier", summary="OpenAI-compatible server of the kvtier engine", lifespan=lifespan)
+    app.state.kvtier = state
+    install_error_handlers(app)
+    app.include_router(router)
+    if state.settings.enable_kv_admin:
+        app.include_router(admin.router)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_request_bytes)
+    return app
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit status."""
+    settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    disable_created_metrics()
+    sock = bind_socket(settings.host, settings.port)
+    from engine.llm_engine import LLMEngine  # heavy (torch, transformers): after flag checks
+
+    engine = LLMEngine(config)
+    names = settings.served_model_names or default_model_names(config.model)
+    print(startup_summary(engine, settings, names, _url(settings.host, sock.getsockname()[1])), flush=True)
+    state = create_state(engine, settings, names)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(state), log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    ))
+    # uvicorn re-raises SIGTERM once its graceful shutdown is done; nothing is left to
+    # do by then, so the process ends with status 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind now, so a busy port fails before the model loads (uvicorn listens on it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def startup_summary(engine: LLMEngine, settings: ServerSettings, names: tuple[str, ...], url: str) -> str:
+    spec, config = engine.spec, engine.config
+    pool_tokens = engine.num_kv_blocks * config.block_size
+    lines = [
+        "kvtier serve",
+        f"  model    {engine.model_path} ({spec.architecture}, {spec.num_layers} layers, "
+        f"vocab {spec.vocab_size}) served as {', '.join(names)}",
+        f"  dtype    {str(engine.dtype).removeprefix('torch.')} on {engine.device}",
+        f"  KV pool  {engine.num_kv_blocks} blocks x {config.block_size} tokens = {pool_tokens} tokens "
+        f"({format_bytes(engine.num_kv_blocks * engine.block_bytes)}), max model len {config.max_model_len}",
+        f"  offload  {_offload_summary(config)}",
+        f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests",
+        f"  admin    {'/kv/ (bearer token)' if settings.enable_kv_admin else 'off'}",
+        f"  URL      {url}",
+    ]
+    return "\n".join(lines)
+
+
+def _offload_summary(config: EngineConfig) -> str:
+    tiers = {
+        "cpu": f"cpu {format_bytes(config.kv_offload_cpu_size)}",
+        "disk": f"disk {format_bytes(config.kv_offload_disk_size)} at {config.disk_path}",
+        "redis": f"redis {_redact_url(config.kv_redis_url or '')}",
+    }
+    return "; ".join(tiers[t] for t in config.kv_offload) or "none"
+
+
+def _redact_url(url: str) -> str:
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def format_bytes(size: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    exponent = min(max(size.bit_length() - 1, 0) // 10, len(units) - 1)
+    if exponent == 0:
+        return f"{size} B"
+    return f"{size / 1024**exponent:.1f} {units[exponent]}"
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,0 +1,107 @@
+"""The server's own flags of `kvtier serve` (the engine flags come from engine.arg_utils)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from engine.config import ConfigError, parse_size
+
+ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+MIN_ADMIN_TOKEN_CHARS = 16
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    enable_kv_admin: bool = False
+    admin_token: str | None = None
+    max_waiting_requests: int = 256
+    max_request_bytes: int = 8 * 1024**2
+    retry_after: int = 1
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.enable_kv_admin and not self.admin_token:
+            raise ConfigError(
+                "admin_token",
+                f"--enable-kv-admin needs a token (--admin-token or ${ADMIN_TOKEN_ENV}): "
+                "the KV admin API is never served unauthenticated",
+            )
+        if self.enable_kv_admin and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS:
+            raise ConfigError("admin_token", f"must be at least {MIN_ADMIN_TOKEN_CHARS} characters")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError("max_waiting_requests", f"must be >= 0, got {self.max_waiting_requests}")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("max_request_bytes", f"must be at least 1KiB, got {self.max_request_bytes}")
+        if self.retry_after < 0:
+            raise ConfigError("retry_after", f"must be >= 0, got {self.retry_after}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "max_request_bytes")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the HTTP server flags of `kvtier serve`."""
+    defaults = ServerSettings()
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default=defaults.host,
+                       help="Address to bind. The default serves this machine only; use 0.0.0.0 "
+                       "to serve the network (default: %(default)s).")
+    group.add_argument("--port", type=int, default=defaults.port,
+                       help="TCP port; 0 picks a free one, printed at startup (default: %(default)s).")
+    group.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                       help="Model name(s) clients put in the `model` field; the first one is "
+                       "reported in responses (default: the --model path, or kvtier-tiny).")
+    group.add_argument("--enable-kv-admin", action="store_true",
+                       help="Serve the KV admin API under /kv/ (stats, pin, unpin, flush). "
+                       "Requires --admin-token.")
+    group.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV), metavar="TOKEN",
+                       help=f"Bearer token of the KV admin API, at least {MIN_ADMIN_TOKEN_CHARS} "
+                       f"characters (default: ${ADMIN_TOKEN_ENV}; prefer the variable, command "
+                       "lines are visible to other users).")
+    group.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests, metavar="N",
+                       help="Requests that may wait beyond the --max-num-seqs running ones; "
+                       "past that the server answers 503 with Retry-After (default: %(default)s).")
+    group.add_argument("--max-request-bytes", type=_size, default=defaults.max_request_bytes,
+                       metavar="SIZE",
+                       help="Largest request body, e.g. 8MiB; larger ones get 413 (default: 8MiB).")
+    group.add_argument("--retry-after", type=int, default=defaults.retry_after, metavar="SECONDS",
+                       help="Retry-After of 503 answers when the queue is full (default: %(default)s).")
+    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                       metavar="SECONDS",
+                       help="On SIGINT/SIGTERM, how long in-flight requests may finish before "
+                       "they are aborted (default: %(default)s).")
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level,
+                       help="Server log level (default: %(default)s).")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Build and validate the settings; a bad value raises ConfigError naming the flag."""
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(args.served_model_name or ()),
+        enable_kv_admin=args.enable_kv_admin,
+        admin_token=args.admin_token or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
+        retry_after=args.retry_after,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    settings.validate()
+    return settings

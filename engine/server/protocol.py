@@ -1,0 +1,320 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests are validated strictly (no string-to-number coercion, as OpenAI does) and
+unknown fields are ignored. Fields OpenAI defines but the engine cannot honour are
+accepted only at their neutral value, so a client never silently gets other semantics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 1  # the engine reports the sampled token's logprob only
+
+# A prompt after validation: one entry per prompt, each text or token ids.
+Prompts = list[str | list[int]]
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def parse_prompt(value: Any) -> Prompts:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if _is_token_list(value):
+            return [value]
+        if all(isinstance(p, str) for p in value) or all(_is_token_list(p) and p for p in value):
+            return list(value)
+    raise ValueError(
+        "must be a string, a non-empty list of strings, a list of non-negative token ids, "
+        "or a list of non-empty token-id lists"
+    )
+
+
+def parse_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError("must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    return stops
+
+
+def parse_content(value: Any) -> str:
+    """Message content: a string, or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+
+
+def only_neutral(*neutral: Any) -> classmethod:
+    """A validator accepting a field the engine cannot honour only at a neutral value."""
+
+    def check(cls: type, value: Any) -> Any:
+        if not any(type(value) is type(n) and value == n for n in neutral):
+            raise ValueError("is not supported by this server (leave it unset)")
+        return value
+
+    return classmethod(check)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, BeforeValidator(parse_content)]
+    name: str | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # -1 (vLLM) and 0 both disable top-k
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Annotated[list[str], BeforeValidator(parse_stop)] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    n: int = Field(1, ge=1)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    _no_penalties = field_validator("frequency_penalty", "presence_penalty")(only_neutral(0.0))
+    _no_logit_bias = field_validator("logit_bias")(only_neutral(None, {}))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Annotated[Prompts, BeforeValidator(parse_prompt)]
+    max_tokens: int | None = Field(None, ge=1)  # unset: 16, as OpenAI (less if the context is shorter)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _no_echo = field_validator("echo")(only_neutral(False))
+    _no_best_of = field_validator("best_of")(only_neutral(None, 1))
+    _no_suffix = field_validator("suffix")(only_neutral(None, ""))
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+
+    _no_tools = field_validator("tools")(only_neutral(None, []))
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A delta carries only what changed, as OpenAI sends it."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvtier"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- KV admin -------------------------------------------------------------------------------
+
+MAX_PIN_TTL_S = 30 * 24 * 3600.0
+
+
+class PinRequest(_Strict):
+    """A prefix to pin or unpin: a prompt (text or token ids) or a chat message list."""
+
+    model: str | None = None
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
+    messages: list[ChatMessage] | None = None
+    ttl: float | None = Field(3600.0, gt=0.0, le=MAX_PIN_TTL_S)  # seconds; null: until unpinned
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> PinRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and len(self.prompt) == 0:
+            raise ValueError("the prompt is empty")
+        return self
+
+
+class FlushRequest(_Strict):
+    tiers: list[Literal["cpu", "disk", "redis"]] | None = Field(
+        None, description="tiers to flush; null flushes every tier"
+    )

@@ -1,0 +1,196 @@
+"""POST /v1/completions and /v1/chat/completions: tokenize on the engine thread, build
+sampling parameters, run the engine requests, answer as one JSON body or as server-sent
+events. The two APIs differ only in how prompts are tokenized and how output is shaped
+(`CompletionFormat`, `ChatFormat` in responses.py)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
+from starlette.requests import Request
+
+from engine.async_engine import EngineClosedError, EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.server.errors import APIError, engine_error
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.responses import (
+    DONE_EVENT,
+    ChatFormat,
+    CompletionFormat,
+    DeltaTracker,
+    OutputFormat,
+    error_event,
+    finish_reason,
+    generation_error,
+    sse,
+    usage_of,
+)
+from engine.server.state import ServerState
+from engine.server.streams import (
+    ClientDisconnectedError,
+    EngineJob,
+    RequestGroup,
+    until_disconnected,
+)
+
+T = TypeVar("T")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
+    model = state.check_model(body.model)
+    prompts = body.prompt
+    token_lists = await _on_engine(state, lambda e: [e.encode(p) for p in prompts], "prompt")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    jobs = []
+    for i, token_ids in enumerate(token_lists):
+        max_tokens = _max_tokens(
+            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len, "prompt"
+        )
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs is not None)
+        jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
+    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
+    return await _run(state, raw, body, jobs, fmt, "prompt")
+
+
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, raw: Request
+) -> Response:
+    model = state.check_model(body.model)
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    token_ids = await _on_engine(state, lambda e: e.encode_chat(messages), "messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len, "messages")
+    params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
+    fmt = ChatFormat(request_id, model, state.token_text, body.logprobs and bool(body.top_logprobs))
+    return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+async def _run(
+    state: ServerState,
+    raw: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    jobs: list[EngineJob],
+    fmt: OutputFormat,
+    prompt_param: str,
+) -> Response:
+    """Admit the requests (errors become 4xx/503 before any byte is sent), then answer.
+    The group's requests are aborted when the client leaves or the answer is done."""
+    group = RequestGroup(state.engine, jobs, body.cache_salt)
+    try:
+        if body.stream:
+            await until_disconnected(raw, _translated(state, group.start(), prompt_param))
+            return StreamingResponse(
+                _events(state, group, fmt, body.include_usage_in_stream),
+                media_type="text/event-stream", headers=SSE_HEADERS,
+            )
+        outputs = await until_disconnected(raw, _translated(state, _complete(group), prompt_param))
+    except ClientDisconnectedError:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    for output in outputs:
+        if (error := generation_error(output)) is not None:
+            raise error
+    return JSONResponse(fmt.response(outputs).model_dump())
+
+
+async def _complete(group: RequestGroup) -> list[RequestOutput]:
+    try:
+        await group.start()
+        return await group.final_outputs()
+    finally:
+        await group.aclose()
+
+
+async def _translated(state: ServerState, work: Awaitable[T], prompt_param: str) -> T:
+    """Await engine work, turning the engine's request errors into API errors."""
+    try:
+        return await work
+    except Exception as exc:
+        error = engine_error(exc, state.settings.retry_after, prompt_param)
+        if error is None:
+            raise
+        if error.code == "queue_full":
+            state.metrics.count_rejection("queue_full")
+        raise error from exc
+
+
+async def _on_engine(state: ServerState, fn: Callable[[Any], T], prompt_param: str) -> T:
+    """Run tokenization on the engine thread (the tokenizer belongs to it)."""
+    try:
+        return await _translated(state, state.engine.call(fn), prompt_param)
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}",
+                       param=prompt_param, code="invalid_value") from exc
+
+
+async def _events(
+    state: ServerState, group: RequestGroup, fmt: OutputFormat, include_usage: bool
+) -> AsyncIterator[str]:
+    trackers: dict[int, DeltaTracker] = defaultdict(DeltaTracker)
+    last: dict[int, RequestOutput] = {}
+    try:
+        for chunk in fmt.head_chunks():
+            yield sse(chunk)
+        async for index, output in group.outputs():
+            last[index] = output
+            if (error := generation_error(output)) is not None:
+                yield error_event(error)
+                continue
+            delta = trackers[index].advance(output)
+            if delta.text or delta.token_ids or output.finished:
+                yield sse(fmt.chunk(index, delta, finish_reason(output)))
+        if include_usage:
+            yield sse(fmt.usage_chunk(usage_of(list(last.values()))))
+    except (EngineClosedError, EngineDeadError) as exc:  # shutdown or crash mid-stream
+        yield error_event(engine_error(exc, state.settings.retry_after))
+    finally:
+        await group.aclose()
+    yield DONE_EVENT
+
+
+def _max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, max_model_len: int, prompt_param: str
+) -> int:
+    """The requested output length, else `default` (None: the rest of the context),
+    capped to the context left after the prompt. A longer request is the engine's to refuse."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, and the "
+            f"{prompt_param} alone has {prompt_len} tokens: no room for any output.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    return requested or min(default or room, room)
+
+
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: bool
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            n=body.n,
+        )
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc

@@ -1,0 +1,88 @@
+"""What every route needs: the async engine, metrics, and the model facts fixed at startup."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from transformers import AutoTokenizer
+
+from engine.async_engine import AsyncEngine
+from engine.server.cli_args import ServerSettings
+from engine.server.errors import model_not_found
+from engine.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+BUILTIN_MODEL_NAME = "kvtier-tiny"
+TOKEN_TEXT_CACHE = 65536
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    settings: ServerSettings
+    model_names: tuple[str, ...]
+    model_root: str
+    max_model_len: int
+    kv_offload: tuple[str, ...]
+    token_text: Callable[[int], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses."""
+        return self.model_names[0]
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name for a request's `model` field (None means the default)."""
+        if requested is None or requested in self.model_names:
+            return self.model_name
+        raise model_not_found(requested)
+
+
+def default_model_names(model_flag: str | None) -> tuple[str, ...]:
+    """What clients call the model when --served-model-name is not given."""
+    return (model_flag or BUILTIN_MODEL_NAME,)
+
+
+def create_state(
+    engine: LLMEngine, settings: ServerSettings, model_names: tuple[str, ...]
+) -> ServerState:
+    """Hand `engine` to its engine thread and gather what the routes need. The caller
+    must not touch `engine` afterwards."""
+    metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
+    token_text = _token_text_function(engine.config.tokenizer or engine.model_path)
+    async_engine = AsyncEngine(
+        engine,
+        max_pending_requests=engine.config.max_num_seqs + settings.max_waiting_requests,
+        observer=metrics.requests,
+    )
+    metrics.watch(lambda: async_engine.stats)
+    return ServerState(
+        engine=async_engine,
+        metrics=metrics,
+        settings=settings,
+        model_names=model_names,
+        model_root=engine.model_path,
+        max_model_len=engine.config.max_model_len,
+        kv_offload=engine.config.kv_offload,
+        token_text=token_text,
+    )
+
+
+def _token_text_function(tokenizer_path: str) -> Callable[[int], str]:
+    """id -> text of one token, for logprobs. A tokenizer instance of the server's own:
+    the engine's belongs to the engine thread, and this one is used on the event loop."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return token_text

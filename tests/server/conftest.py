@@ -1,0 +1,38 @@
+"""Fixtures: the shared server process, an HTTP client for it, and the offline reference."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import ADMIN_TOKEN, MAX_MODEL_LEN, ServerProcess, server_flags
+
+
+@pytest.fixture(scope="session")
+def model_path(tiny_model_factory) -> str:
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def server(model_path):
+    """The shared server: KV admin on, a cpu offload tier configured, 64 KiB body limit."""
+    process = ServerProcess(*server_flags(
+        model_path, "--enable-kv-admin", "--admin-token", ADMIN_TOKEN,
+        "--kv-offload", "cpu", "--kv-offload-cpu-size", "64MiB", "--kv-chunk-tokens", "32",
+        "--max-request-bytes", "64KiB",
+    ))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def offline_llm(model_path):
+    """The offline API on the same checkpoint and options: the reference outputs."""
+    from engine import LLM
+
+    return LLM(model=model_path, dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)

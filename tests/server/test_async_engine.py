@@ -1,0 +1,296 @@
+"""Threading behaviour of AsyncEngine, against a scripted stand-in for LLMEngine.
+
+The stand-in only emits one token per request per step; it exists to observe which
+thread calls the engine, when steps run, and what happens on abort, overload, shutdown
+and crashes. Everything about real generation is tested end to end in test_openai_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import aclosing
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineClosedError, EngineDeadError, QueueFullError
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class ScriptedEngine:
+    """Emits token `i` at the i-th step of each request; records every calling thread."""
+
+    def __init__(self, step_seconds: float = 0.002, fail_at_step: int | None = None) -> None:
+        self.step_seconds = step_seconds
+        self.fail_at_step = fail_at_step
+        self.requests: dict[str, tuple[list[int], int]] = {}
+        self.aborted: list[str] = []
+        self.num_steps = 0
+        self.num_polls = 0
+        self.threads: set[int] = set()
+        self.shut_down = False
+
+    def _touch(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
+        self._touch()
+        if prompt == "bad":
+            raise ValueError("bad prompt")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate {request_id}")
+        self.requests[request_id] = ([], params.max_tokens)
+
+    def abort_request(self, request_ids):
+        self._touch()
+        for request_id in request_ids:
+            if self.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        self._touch()
+        self.num_polls += 1
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self._touch()
+        self.num_steps += 1
+        if self.fail_at_step == self.num_steps:
+            raise RuntimeError("scheduler bug")
+        time.sleep(self.step_seconds)
+        outputs = []
+        for request_id, (tokens, max_tokens) in list(self.requests.items()):
+            tokens.append(len(tokens))
+            finished = len(tokens) == max_tokens
+            if finished:
+                del self.requests[request_id]
+            outputs.append(_output(request_id, tokens, finished))
+        return outputs
+
+    def stats(self) -> dict:
+        self._touch()
+        return {"num_requests_running": len(self.requests), "steps": self.num_steps}
+
+    def shutdown(self) -> None:
+        self._touch()
+        self.shut_down = True
+
+
+def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput:
+    completion = CompletionOutput(0, "", list(tokens), "length" if finished else None)
+    return RequestOutput(request_id, None, [1], [completion], finished, RequestMetrics(0.0),
+                         new_token_ids=tokens[-1:])
+
+
+async def _collect(engine: AsyncEngine, request_id: str, max_tokens: int, prompt="p") -> list[RequestOutput]:
+    params = SamplingParams(max_tokens=max_tokens)
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def run(coro_fn, engine: ScriptedEngine, **options):
+    """Run `coro_fn(async_engine)` on a fresh loop, then shut the engine down."""
+
+    async def main():
+        async_engine = AsyncEngine(engine, **options)
+        try:
+            return await coro_fn(async_engine)
+        finally:
+            await async_engine.shutdown(graceful=False)
+
+    return asyncio.run(main())
+
+
+def test_streams_every_output_and_only_the_engine_thread_touches_the_engine():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        return await asyncio.gather(*(_collect(ae, f"r{i}", 5 + i) for i in range(4)))
+
+    results = run(scenario, engine)
+    for i, outputs in enumerate(results):
+        assert [o.new_token_ids for o in outputs] == [[t] for t in range(5 + i)]
+        assert [o.finished for o in outputs] == [False] * (4 + i) + [True]
+    assert len(engine.threads) == 1
+    assert threading.get_ident() not in engine.threads
+
+
+def test_slow_consumer_gets_merged_outputs_with_every_token():
+    engine = ScriptedEngine(step_seconds=0.001)
+
+    async def scenario(ae: AsyncEngine):
+        outputs = []
+        async for output in ae.generate("p", SamplingParams(max_tokens=50), "r"):
+            outputs.append(output)
+            await asyncio.sleep(0.02)  # several steps pass while this consumer sleeps
+        return outputs
+
+    outputs = run(scenario, engine)
+    assert len(outputs) < 50 and outputs[-1].finished
+    assert [t for o in outputs for t in o.new_token_ids] == list(range(50))
+    assert outputs[-1].outputs[0].token_ids == list(range(50))
+
+
+def test_add_request_errors_reach_the_caller_unchanged():
+    async def scenario(ae: AsyncEngine):
+        with pytest.raises(ValueError, match="bad prompt"):
+            await _collect(ae, "r", 3, prompt="bad")
+        return ae.num_pending_requests
+
+    assert run(scenario, ScriptedEngine()) == 0
+
+
+def test_duplicate_id_does_not_abort_the_request_that_owns_it():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        first = asyncio.ensure_future(_collect(ae, "same", 30))
+        await _until(lambda: "same" in engine.requests)
+        with pytest.raises(ValueError, match="duplicate"):
+            await _collect(ae, "same", 3)
+        return await first
+
+    assert len(run(scenario, engine)) == 30
+    assert engine.aborted == []
+
+
+def test_consumer_that_stops_iterating_aborts_its_request():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        async with aclosing(ae.generate("p", SamplingParams(max_tokens=1000), "r")) as stream:
+            async for output in stream:
+                if len(output.outputs[0].token_ids) == 3:
+                    break
+        await _until(lambda: engine.aborted == ["r"])
+        return ae.num_pending_requests
+
+    assert run(scenario, engine) == 0
+    assert not engine.requests
+
+
+def test_cancelled_consumer_aborts_its_request():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        task = asyncio.ensure_future(_collect(ae, "r", 1000))
+        await _until(lambda: engine.num_steps > 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await _until(lambda: engine.aborted == ["r"])
+
+    run(scenario, engine)
+
+
+def test_queue_bound_rejects_then_admits_again():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        running = [asyncio.ensure_future(_collect(ae, f"r{i}", 20)) for i in range(2)]
+        await _until(lambda: ae.num_pending_requests == 2)
+        with pytest.raises(QueueFullError):
+            await _collect(ae, "over", 1)
+        await asyncio.gather(*running)
+        return await _collect(ae, "later", 2)
+
+    assert len(run(scenario, engine, max_pending_requests=2)) == 2
+
+
+def test_idle_engine_thread_blocks_instead_of_spinning():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        await _collect(ae, "r", 3)
+        await asyncio.sleep(0.05)
+        polls_before = engine.num_polls
+        await asyncio.sleep(0.3)
+        return polls_before, engine.num_polls
+
+    polls_before, polls_after = run(scenario, engine)
+    assert polls_after == polls_before
+    assert engine.num_steps == 3
+
+
+def test_stats_snapshot_is_published_after_steps_and_read_only():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        await _collect(ae, "r", 4)
+        await _until(lambda: ae.stats.get("steps") == 4)
+        with pytest.raises(TypeError):
+            ae.stats["steps"] = 0  # type: ignore[index]
+
+    run(scenario, engine)
+
+
+def test_call_runs_on_the_engine_thread_and_raises_its_errors():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        ident = await ae.call(lambda e: threading.get_ident())
+        with pytest.raises(KeyError):
+            await ae.call(lambda e: {}["missing"])
+        return ident
+
+    assert run(scenario, engine) in engine.threads
+    assert len(engine.threads) == 1
+
+
+def test_graceful_shutdown_finishes_in_flight_requests_and_refuses_new_ones():
+    engine = ScriptedEngine()
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        request = asyncio.ensure_future(_collect(ae, "r", 40))
+        await _until(lambda: engine.num_steps > 2)
+        shutdown = asyncio.ensure_future(ae.shutdown(graceful=True, timeout=10))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineClosedError):
+            await _collect(ae, "late", 1)
+        outputs = await request
+        await shutdown
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert len(outputs) == 40 and outputs[-1].finished
+    assert engine.aborted == [] and engine.shut_down
+
+
+def test_hard_shutdown_aborts_in_flight_requests():
+    engine = ScriptedEngine()
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        request = asyncio.ensure_future(_collect(ae, "r", 10_000))
+        await _until(lambda: engine.num_steps > 2)
+        await ae.shutdown(graceful=False)
+        with pytest.raises(EngineClosedError):
+            await request
+
+    asyncio.run(scenario())
+    assert engine.aborted == ["r"] and engine.shut_down
+
+
+def test_engine_crash_fails_waiting_requests_and_later_ones():
+    engine = ScriptedEngine(fail_at_step=3)
+
+    async def scenario(ae: AsyncEngine):
+        with pytest.raises(EngineDeadError):
+            await _collect(ae, "r", 100)
+        assert not ae.is_healthy
+        with pytest.raises(EngineDeadError):
+            await _collect(ae, "next", 1)
+        with pytest.raises(EngineDeadError):
+            await ae.call(lambda e: None)
+
+    run(scenario, engine)
