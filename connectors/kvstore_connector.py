@@ -251,9 +251,14 @@ class KVStoreConnector:
         return LoadJob(request.request_id, first, start, end, chunks, future, is_async=False)
 
     def _settle(self, job: LoadJob) -> None:
-        """Cut a finished job down to the tokens that arrived; count the shortfall."""
+        """Cut a finished job down to the tokens that arrived; count the shortfall. The
+        chunks that did not arrive are recomputed, so they are saved again (a bad record
+        was deleted, a lost one is gone)."""
         loaded_end = job.loaded_end(job.future.result(), self.geometry)
         self._count_failure(job.end_token - loaded_end)
+        if loaded_end < job.end_token:
+            resume = loaded_end // self.geometry.chunk_tokens
+            self._save_from[job.request_id] = min(self._save_from.get(job.request_id, resume), resume)
         job.end_token = loaded_end
 
     def _scatter(self, job: LoadJob) -> None:

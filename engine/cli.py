@@ -70,11 +70,11 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except SamplingParamsError as exc:
         raise ConfigError(exc.param, str(exc).split(": ", 1)[-1]) from None
-    llm = LLM.from_config(config_from_args(args))
-    for out in llm.generate(args.prompt, params):
-        completion = out.outputs[0]
-        print(f"--- {out.request_id} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
-        print(completion.text)
+    with LLM.from_config(config_from_args(args)) as llm:  # closing writes out pending KV saves
+        for out in llm.generate(args.prompt, params):
+            completion = out.outputs[0]
+            print(f"--- {out.request_id} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+            print(completion.text)
     return 0
 
 

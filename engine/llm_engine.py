@@ -22,12 +22,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
-from engine.model_runner import ModelRunner, allocate_kv_cache
+from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
 from engine.models import ModelSpec, load_model, resolve_dtype
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
 CUDA_KV_CACHE_FRACTION = 0.5
 # How long an idle step (only KV loads in flight) waits for one to finish.
 LOAD_WAIT_S = 0.01
+
+
+Failure = tuple[Request, str]  # a request that made its step raise, and the error
 
 
 class DuplicateRequestError(ValueError):
@@ -131,19 +134,16 @@ class LLMEngine:
     # ---- the step loop --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that changed."""
+        """Schedule, run the model once, and report every request that changed. A request
+        that makes the step raise fails alone (finish reason "error"); see `_isolate`."""
         out = self.scheduler.schedule()
         if not out.requests:
             if self.scheduler.num_loading:
                 self.connector.wait_for_loads(LOAD_WAIT_S)
             return []
-        try:
-            sampled = self.runner.execute(out)
-        except Exception as exc:  # one bad batch must not take the engine down
-            logger.exception("model step failed; failing the %d requests of this batch", len(out.requests))
-            return self._fail_batch(out.requests, f"{type(exc).__name__}: {exc}")
+        sampled, failures = self._execute(out)
+        outputs = self._fail(failures)
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
-        outputs = []
         for request in out.requests:
             if request.request_id not in sampled and request.request_id not in finished:
                 continue
@@ -197,14 +197,45 @@ class LLMEngine:
             new_token_ids=new_ids,
         )
 
-    def _fail_batch(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        ids = [r.request_id for r in requests]
-        for request in requests:
+    def _execute(self, out: SchedulerOutput) -> tuple[SampledTokens, list[Failure]]:
+        """Run the step; if it raises, find the requests that make it raise."""
+        try:
+            return self.runner.execute(out), []
+        except KVLoadError as exc:  # the loaded KV may be half written: nothing can run again
+            logger.exception("KV load failed; failing the %d requests of this step", len(out.requests))
+            return {}, [(request, _describe(exc)) for request in out.requests]
+        except Exception as exc:  # one bad request must not take its batch down
+            logger.exception("model step failed; running its %d requests again without the "
+                             "failing ones", len(out.requests))
+            return self._isolate(out, exc)
+
+    def _isolate(self, out: SchedulerOutput, error: Exception) -> tuple[SampledTokens, list[Failure]]:
+        """Bisect a failed step: run each half again (which rewrites whatever KV the failed
+        run left) and a half that fails again recursively; a request failing on its own is
+        a culprit. The parts skip the connector: this step's loads are in the cache, its
+        saves are dropped (they would copy the culprits' KV)."""
+        if len(out.requests) == 1:
+            return {}, [(out.requests[0], _describe(error))]
+        sampled: SampledTokens = {}
+        failures: list[Failure] = []
+        middle = len(out.requests) // 2
+        for part in (_part(out, slice(None, middle)), _part(out, slice(middle, None))):
+            try:
+                sampled.update(self.runner.execute(part))
+            except Exception as exc:
+                part_sampled, part_failures = self._isolate(part, exc)
+                sampled.update(part_sampled)
+                failures += part_failures
+        return sampled, failures
+
+    def _fail(self, failures: list[Failure]) -> list[RequestOutput]:
+        """Finish failed requests with their error; their final outputs."""
+        for request, message in failures:
             request.error = message
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.scheduler.finish_requests([r.request_id for r, _ in failures], RequestStatus.FINISHED_ERROR)
         outputs = []
-        for rid in ids:
-            tracked = self._tracked.get(rid)
+        for request, _ in failures:
+            tracked = self._tracked.get(request.request_id)
             if tracked is not None:
                 outputs.append(self._make_output(tracked, tracked.detokenizer.text, []))
         return outputs
@@ -276,6 +307,19 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Close the KV store: pending saves are written out (bounded wait)."""
         self.connector.close()
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _part(out: SchedulerOutput, rows: slice) -> SchedulerOutput:
+    """Some requests of a step, without its connector work."""
+    return SchedulerOutput(
+        requests=out.requests[rows], num_new_tokens=out.num_new_tokens[rows],
+        start_positions=out.start_positions[rows], block_tables=out.block_tables[rows],
+        sample=out.sample[rows],
+    )
 
 
 def resolve_device(name: str) -> torch.device:

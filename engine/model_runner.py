@@ -14,6 +14,11 @@ from kernels.metadata import AttentionMetadata
 SampledTokens = dict[str, tuple[int, float | None]]
 
 
+class KVLoadError(RuntimeError):
+    """The connector failed to write a step's loaded KV into the device cache: the step
+    cannot run again (part of its KV may be missing), its requests fail."""
+
+
 @dataclass
 class PreparedBatch:
     input_ids: torch.Tensor
@@ -49,15 +54,26 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
-        batch = self.prepare(out)
+        """Run one step. Without `connector_meta` (part of a failed step run again: its
+        loads are in the cache already, its saves are dropped) the connector is skipped.
+        Raises KVLoadError if loading the step's KV failed, anything else as it comes."""
         with torch.inference_mode():
-            self.connector.start_load_kv(out.connector_meta)
+            if out.connector_meta is not None:
+                self._start_load(out.connector_meta)
+            batch = self.prepare(out)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
-            self.connector.wait_for_save()
+            if out.connector_meta is not None:
+                self.connector.wait_for_save()
             if not batch.sampled_requests:
                 return {}
             logits = self.model.compute_logits(hidden[batch.sample_rows])
         return self._sample(batch.sampled_requests, logits)
+
+    def _start_load(self, meta: object) -> None:
+        try:
+            self.connector.start_load_kv(meta)
+        except Exception as exc:
+            raise KVLoadError(f"loading KV into the device cache failed: {exc}") from exc
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's seeded generator."""

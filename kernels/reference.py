@@ -5,8 +5,9 @@ Each sequence with several new tokens (a prefill chunk) is computed on its own, 
 tiles of explicit fp32 QK^T + softmax that skip the masked upper triangle. All
 single-token decodes of a step share one padded SDPA call, so a 32-request decode step
 is one call, not 32. Host-side lengths (`meta.*_cpu`) drive the loops, so nothing here
-syncs a device. Slots past a sequence's length may be read (and masked out), so the
-cache must hold finite values there: the engine allocates it with zeros.
+syncs a device. The padded call reads slots past a sequence's length (stale KV of freed
+blocks, possibly NaN or inf left by a failed request) and zeroes them before use, as the
+Triton kernel's masked loads do, so they never reach an output.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ def _decode_batch(
     kv_heads, head_dim = k.shape[1], k.shape[3]
     q = query.index_select(0, rows).view(len(seqs), kv_heads, -1, head_dim)
     mask = torch.arange(max_len, device=device) < torch.tensor(lens, device=device)[:, None]
+    padding = ~mask[:, None, :, None]  # a NaN there would survive the mask (0 * NaN)
+    k.masked_fill_(padding, 0)
+    v.masked_fill_(padding, 0)
     res = F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
     )

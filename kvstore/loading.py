@@ -7,7 +7,8 @@ each tier asked only for what is still missing, and decoded straight into the ca
 tensors. Decoding happens on the loop thread between awaits, so once the future is done
 nothing writes to the caller's buffers any more; the future is resolved even on timeout
 or shutdown (missing chunks are then misses). Any bad record is a counted miss and is
-deleted from its tier so it does not fail again.
+deleted from its tier before the load completes, so that it does not fail again and a
+save of the recomputed chunk that follows finds the key free.
 """
 
 from __future__ import annotations
@@ -142,10 +143,12 @@ class Loader:
                 continue
             buffers = [self._buffers.take() for _ in ask]
             records = await tier.get([keys[i].name for i in ask], buffers)
+            bad: list[str] = []
             for i, record in zip(ask, records, strict=True):
-                if self._decode(tier, keys[i], record, tensor_bytes(outs[i])):
+                if self._decode(tier, keys[i], record, tensor_bytes(outs[i]), bad):
                     tiers[i] = tier.name
             self._give_back(buffers)
+            await self._delete(tier, bad)
             rest = [i for i in rest if tiers[i] is None]
             if not rest:
                 break
@@ -189,15 +192,19 @@ class Loader:
         records = await tier.get([k.name for k in ask], buffers)
         done: set[str] = set()
         fetched = 0
+        bad: list[str] = []
         for key, record in zip(ask, records, strict=True):
-            outcome = self._into_cpu(tier, key, record)
+            outcome = self._into_cpu(tier, key, record, bad)
             if outcome is not None:
                 done.add(key.name)
                 fetched += outcome
         self._give_back(buffers)
+        await self._delete(tier, bad)
         return [k for k in todo if k.name not in done], fetched
 
-    def _into_cpu(self, tier: RecordTier, key: ChunkKey, record: Buffer | None) -> int | None:
+    def _into_cpu(
+        self, tier: RecordTier, key: ChunkKey, record: Buffer | None, bad: list[str]
+    ) -> int | None:
         """Decode `record` into a new cpu slot: 1 if stored, 0 if already there, None if not."""
         if record is None:
             tier.counters.add(misses=1)
@@ -207,7 +214,7 @@ class Loader:
             return 0
         if slot == NO_ROOM:
             return None
-        if not self._decode(tier, key, record, self._cpu.buffer(slot)):
+        if not self._decode(tier, key, record, self._cpu.buffer(slot), bad):
             self._cpu.abort(slot)
             return None
         self._cpu.commit(slot)
@@ -219,9 +226,16 @@ class Loader:
         for buffer in buffers:
             self._buffers.give(buffer)
 
+    @staticmethod
+    async def _delete(tier: RecordTier, bad: list[str]) -> None:
+        if bad:
+            await tier.delete(bad)
+
     def _decode(
-        self, tier: RecordTier, key: ChunkKey, record: Buffer | None, out: memoryview
+        self, tier: RecordTier, key: ChunkKey, record: Buffer | None, out: memoryview,
+        bad: list[str],
     ) -> bool:
+        """Verify `record` into `out`; a bad record is counted and its key added to `bad`."""
         if record is None:
             tier.counters.add(misses=1)
             return False
@@ -230,13 +244,13 @@ class Loader:
         except RecordError as exc:
             tier.counters.add(misses=1, **{exc.counter: 1})
             log.warning(
-                "kvstore: bad record %s in %s tier (%s: %s); deleted",
+                "kvstore: bad record %s in %s tier (%s: %s); deleting it",
                 key.name,
                 tier.name,
                 type(exc).__name__,
                 exc,
             )
-            self._runtime.spawn(tier.delete([key.name]))
+            bad.append(key.name)
             return False
         tier.counters.add(hits=1)
         return True

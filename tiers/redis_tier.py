@@ -91,14 +91,21 @@ class RedisTier(RecordTier):
     async def get(
         self, keys: Sequence[str], into: Sequence[bytearray] | None = None
     ) -> list[Buffer | None]:
-        """Pipelined GETs; `into` is not used (redis-py allocates the replies)."""
+        """Pipelined GETs. With `into`, each value is read only up to its buffer's size
+        (GETRANGE), so a huge value under one of our keys costs no more memory than a
+        record; redis-py still allocates the replies (the buffers are not filled)."""
         start = time.perf_counter()
-        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
+        if into is None:
+            replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
+        else:
+            replies = await self._pipelined(
+                keys, lambda pipe, i, key: pipe.getrange(key, 0, len(into[i]) - 1)
+            )
         if replies is None:
             return [None] * len(keys)
         self.counters.add(bytes_read=sum(len(r) for r in replies if r is not None))
         self.counters.observe_get(time.perf_counter() - start)
-        return list(replies)
+        return [r or None for r in replies]  # GETRANGE answers b"" for a missing key
 
     async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store records that Redis does not hold yet (records are content addressed):

