@@ -14,3 +14,11 @@ lint:
 
 serve: install
 	kvtier serve --kv-offload cpu,disk
+
+# Every registered workload at its default size, then docs/BENCHMARKS.md from the results.
+# A subset: make bench BENCH_WORKLOADS="rag throughput"
+BENCH_WORKLOADS ?= $(shell $(PYTHON) -c "from bench.cli import WORKLOADS; print(' '.join(WORKLOADS))")
+
+bench: install
+	set -e; for workload in $(BENCH_WORKLOADS); do $(PYTHON) -m engine.cli bench $$workload; done
+	$(PYTHON) -m bench.report

@@ -1,0 +1,168 @@
+"""Multi-round QA: users chatting over a shared system prompt, their histories growing.
+
+LMCache's multi-round QA shape (there: 10 users, 5 rounds, a 1,000-token system prompt,
+2,000-token per-user history, 100-token answers). Each user's round-r prompt is the
+system prompt, the user's own history, every earlier question with the engine's actual
+answer, and a new question. Rounds go out at --qps overall, users in turn (user u's
+round r is due at (r * users + u) / qps), but never before the user's previous answer
+is back. The device KV pool (--num-kv-blocks) is smaller than all users' contexts
+together, so while the others take their turns a user's history leaves the device:
+without offload its next round recomputes it; with offload it is loaded from the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass, field
+
+from bench import plots
+from bench.driver import (
+    Turn,
+    add_engine_args,
+    parse_variants,
+    parse_workload_args,
+    random_tokens,
+    run_variants,
+    variant_llm,
+    variants_help,
+)
+from bench.profiling import profile_requests, render_profile
+from bench.summary import (
+    describe_variants,
+    publish,
+    render_variants,
+    result_header,
+    variant_summaries,
+)
+
+NAME = "multi-round-qa"
+SMOKE = {"users": 2, "rounds": 2, "system_prompt_len": 32, "history_len": 48, "question_len": 8,
+         "answer_len": 4, "qps": 50.0, "num_kv_blocks": 16, "variants": "no-offload,cpu"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"kvtier bench {NAME}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-prompt-len", type=int, default=1000)
+    p.add_argument("--history-len", type=int, default=2000)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--answer-len", type=int, default=64)
+    p.add_argument("--qps", type=float, default=0.25,
+                   help="Rounds sent per second over all users (default 0.25: a cold round fits in the gap on "
+                        "this CPU, so TTFT measures the work, not a backlog).")
+    p.add_argument("--variants", default="no-offload,cpu,cpu+disk", help=variants_help())
+    p.add_argument("--repeats", type=int, default=1, help="Variants are interleaved across repeats.")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    add_engine_args(p, num_kv_blocks=512)
+    return parse_workload_args(p, argv, SMOKE)
+
+
+@dataclass
+class User:
+    """One user's conversation: the context grows by each question and its answer."""
+
+    index: int
+    context: list[int]
+    questions: list[list[int]]
+    answer_len: int
+    period: float  # seconds between two rounds of the same user at the target QPS
+    offset: float  # this user's first slot
+    asked: int = field(default=0)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.questions)
+
+    def next_turn(self, answer: list[int] | None, now: float) -> tuple[float, Turn] | None:
+        if answer is not None:
+            self.context += answer
+        if self.asked == len(self.questions):
+            return None
+        self.context += self.questions[self.asked]
+        due = self.offset + self.asked * self.period
+        self.asked += 1
+        return max(due, now), Turn(list(self.context), self.answer_len, f"round {self.asked}")
+
+
+def make_users(args: argparse.Namespace, vocab: int) -> list[User]:
+    rng = random.Random(args.seed)
+    system = random_tokens(rng, args.system_prompt_len, vocab)
+    users = []
+    for u in range(args.users):
+        history = random_tokens(rng, args.history_len, vocab)
+        questions = [random_tokens(rng, args.question_len, vocab) for _ in range(args.rounds)]
+        users.append(User(u, system + history, questions, args.answer_len, args.users / args.qps, u / args.qps))
+    return users
+
+
+def profile(args: argparse.Namespace, vocab: int) -> dict:
+    """The slowest path: a round whose context has left the device and is recomputed."""
+    user = make_users(args, vocab)[0]
+    with variant_llm(args, {}) as llm:
+        return profile_requests(llm, [user.context + user.questions[0]], args.answer_len,
+                                "one round recomputed (history not cached)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    args = parse_args(argv)
+    result = result_header(NAME, argv, args)
+    vocab = result["model"]["vocab_size"]
+    runs = run_variants(args, parse_variants(args.variants), lambda: make_users(args, vocab), args.repeats)
+    result["variants"] = variant_summaries(runs)
+    if args.profile:
+        result["profile"] = profile(args, vocab)
+    plot(result)
+    publish(NAME, result, render(result))
+    return 0
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+def context_tokens(options: dict) -> int:
+    """All users' contexts at the last round, the shared system prompt once."""
+    per_user = options["history_len"] + options["rounds"] * (options["question_len"] + options["answer_len"])
+    return options["system_prompt_len"] + options["users"] * per_user
+
+
+def render(result: dict) -> str:
+    o = result["options"]
+    text = (f"{o['users']} users x {o['rounds']} rounds, system prompt {o['system_prompt_len']} tokens, history "
+            f"{o['history_len']}, questions {o['question_len']}, answers {o['answer_len']}, {o['qps']} QPS; device "
+            f"KV pool {16 * o['num_kv_blocks']} tokens for {context_tokens(o)} tokens of contexts.\n\n")
+    text += render_variants(result["variants"], "round")
+    if "profile" in result:
+        text += "\n" + render_profile(result["profile"])
+    return text
+
+
+def plot(result: dict) -> None:
+    variants = result["variants"]
+    rounds = list(next(iter(variants.values()))["by_tag"])
+    ttft = {v: [r["by_tag"][t]["ttft_p50_ms"] for t in rounds] for v, r in variants.items()}
+    hits = {v: [100 * r["by_tag"][t]["hit_fraction"] for t in rounds] for v, r in variants.items()}
+    x = list(range(1, len(rounds) + 1))
+    plots.save_figure(plots.png_path(NAME), [
+        plots.Panel("TTFT p50 per round", "round", "ms", x, ttft, logy=True),
+        plots.Panel("Prompt tokens not recomputed", "round", "% of prompt tokens", x, hits, kind="bar"),
+    ], "Multi-round QA")
+
+
+def describe(result: dict) -> str:
+    """What the numbers say, computed from them (a paragraph of docs/BENCHMARKS.md)."""
+    o = result["options"]
+    text = (f"The {o['users']} users' contexts grow to {context_tokens(o)} tokens against a device pool of "
+            f"{16 * o['num_kv_blocks']}: while the other users take their turns, a user's history is evicted "
+            "(LRU), and only the shared system prompt stays on the device. ")
+    if "profile" in result:
+        prof = result["profile"]
+        recompute_s, interval_s = prof["wall_ms"] / 1000, 1 / o["qps"]
+        text += (f"At {o['qps']} QPS a round arrives every {interval_s:.1f} s, and recomputing a "
+                 f"{prof['prompt_tokens']}-token context took {recompute_s:.1f} s in the profile run")
+        text += (": without offload the rounds queue behind each other and their TTFT includes that wait. "
+                 if recompute_s > interval_s else ", within the gap between rounds. ")
+    return text + describe_variants(result, first="round 1")
