@@ -124,7 +124,7 @@ def describe_variants(result: dict, first: str) -> str:
     later = {v: later_summary(run, first) for v, run in variants.items()}
     base_name = "no-offload" if "no-offload" in later else next(iter(later))
     base = later[base_name]
-    parts = [f"After {first}, TTFT p50 is {base['ttft_p50_ms']:.0f} ms with {base_name} "
+    parts = [f"Beyond the cold requests ({first}), TTFT p50 is {base['ttft_p50_ms']:.0f} ms with {base_name} "
              f"({100 * base['hit_fraction']:.0f}% of prompt tokens not recomputed)"]
     for name, s in later.items():
         if name != base_name:

@@ -31,7 +31,8 @@ def smoke_run(tmp_path_factory, tiny_model_factory) -> Callable[[str], Path]:
             module = importlib.import_module(WORKLOADS[workload][0])
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(common, "RESULTS_DIR", directory)
-                done[workload] = module.main(["--smoke", "--model", tiny_model_factory()])
+                # --threads 0: keep torch's thread count, the rest of the test session shares it
+                done[workload] = module.main(["--smoke", "--threads", "0", "--model", tiny_model_factory()])
         assert done[workload] == 0
         return directory
 
