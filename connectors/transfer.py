@@ -36,6 +36,9 @@ class BlockTransfer:
         self.chunk_shape = (blocks_per_chunk, *kv_cache.shape[1:])
         nbytes = math.prod(self.chunk_shape) * kv_cache.element_size()
         self.pool = StagingPool(nbytes, num_buffers, pin=kv_cache.is_cuda)
+        # Touch every page now: a first touch on the load path costs a page fault per
+        # 4 KiB (measured: 19 MiB took 13-180 ms cold, 1 ms warm).
+        self.pool.slab.zero_()
         self.copies = CopyStream(kv_cache.device)
         self._inflight: deque[tuple[CopyEvent, Callable[[], None]]] = deque()
 

@@ -51,8 +51,9 @@ def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:
 
 
 def staging_chunks(config: EngineConfig, nbytes: int) -> int:
-    """Host staging, in chunks: room for two whole requests of max_model_len in flight
-    (one loading while another is copied out) plus slack, at most STAGING_MAX_BYTES.
-    A load that finds no free buffer loads fewer chunks; a save skips the chunk."""
-    wanted = 2 * cdiv(config.max_model_len, config.kv_chunk_tokens) + STAGING_SLACK_CHUNKS
+    """Host staging, in chunks: one whole request of max_model_len plus slack, at most
+    STAGING_MAX_BYTES. Staging is held only while a load is in flight or a copy out is
+    not done, and the pool is touched up front (resident memory). A load that finds no
+    free buffer loads fewer chunks; a save skips the chunk."""
+    wanted = cdiv(config.max_model_len, config.kv_chunk_tokens) + 2 * STAGING_SLACK_CHUNKS
     return max(STAGING_SLACK_CHUNKS, min(wanted, STAGING_MAX_BYTES // nbytes))

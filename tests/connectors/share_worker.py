@@ -32,6 +32,7 @@ def main(spec_path: str) -> None:
             "same": serve(spec["model"], options, prompts, max_tokens, None),
             "salted": serve(spec["model"], options, prompts, max_tokens, spec["salt"]),
             "other_model": serve(spec["other_model"], options, prompts, max_tokens, None),
+            "other_dtype": serve(spec["model"], {**options, "dtype": "bfloat16"}, prompts, max_tokens, None),
         }
     print(json.dumps(results))
 

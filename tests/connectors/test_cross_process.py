@@ -1,5 +1,5 @@
 """Two engine processes share chunks through a real Redis and through one disk
-directory; another model or another cache_salt never sees them."""
+directory; another model, another KV dtype or another cache_salt never sees them."""
 
 from __future__ import annotations
 
@@ -44,3 +44,4 @@ def test_a_second_process_loads_what_the_first_saved(tiny_model_factory, redis_u
         assert results[name]["salted"]["outputs"] == expected[name]
         assert results[name]["salted"]["loaded"] == 0
         assert results[name]["other_model"]["loaded"] == 0
+        assert results[name]["other_dtype"]["loaded"] == 0
