@@ -3,6 +3,14 @@
 Chunk i of a request covers tokens [i*C, (i+1)*C) and blocks [i*B, (i+1)*B) of its block
 table (C = chunk_tokens, B = C / block_size). Its key is the chained hash of its last
 block, so a chunk exists only once all its tokens are known.
+
+A request whose loadable tokens end inside a chunk also has a short "tail" chunk: the
+full blocks from the last chunk boundary up to that end, keyed by the hash of its last
+block. Its record keeps the chunk shape (the blocks past the tail are zeros). Because a
+block hash names the whole prefix before it and the tail starts at a chunk boundary, a
+key always names the same blocks: a chunk-boundary block ends a full chunk, any other
+block ends a tail. Without tails, a replayed prompt would recompute up to C - 1 tokens
+that the store could have supplied.
 """
 
 from __future__ import annotations
@@ -33,6 +41,22 @@ class ChunkGeometry:
     def chunk_blocks(self, block_ids: Sequence[int], chunk: int) -> tuple[int, ...]:
         first = chunk * self.blocks_per_chunk
         return tuple(block_ids[first : first + self.blocks_per_chunk])
+
+    def tail_blocks(self, end_block: int) -> range | None:
+        """Blocks of the tail chunk that ends before block `end_block`, None when
+        `end_block` is a chunk boundary (a full chunk ends there, or nothing does)."""
+        start = end_block // self.blocks_per_chunk * self.blocks_per_chunk
+        return range(start, end_block) if start < end_block else None
+
+    def tail_end(self, num_tokens: int) -> int | None:
+        """The end block of the tail chunk that can supply tokens of a request of
+        `num_tokens` tokens: its loadable end, when that lies inside a chunk the request
+        does not fill."""
+        end = self.loadable_end(num_tokens) // self.block_size
+        full_chunks = num_tokens // self.block_size // self.blocks_per_chunk
+        if end % self.blocks_per_chunk == 0 or full_chunks > end // self.blocks_per_chunk:
+            return None
+        return end
 
     def loadable_end(self, num_tokens: int) -> int:
         """Tokens [0, end) may come from a store: whole blocks, never the last token

@@ -1,7 +1,8 @@
 """KVStoreConnector: the connector interface (connectors/base.py) on kvstore.TieredStore.
 
-Loads. At admission `get_num_new_matched_tokens` looks up the request's full chunks from
-the one holding its first token not on the device, and starts `store.load` of that run
+Loads. At admission `get_num_new_matched_tokens` looks up the request's chunks from the
+one holding its first token not on the device (full chunks, then the tail chunk of
+connectors/chunks.py when its loadable tokens end inside a chunk), and starts `store.load` of that run
 into host staging owned by a `LoadJob`. Chunks in the cpu tier are copied before `load`
 returns, so when its future is already done the answer is synchronous and exact (what
 really arrived); the job's blocks are written into the device cache by `start_load_kv`
@@ -19,18 +20,23 @@ fails, the job waits in `_pending` for the next attempt of the same request (an
 asynchronous load keeps running meanwhile); any other request's lookup drops it.
 
 Saves. `build_meta` lists, for every scheduled request, the chunks this step completes
-(prompt chunks; output chunks too with save_decode) that are not known to be stored;
+(prompt chunks, and the prompt's tail chunk once its prefill is done; full output chunks
+too with save_decode) that are not known to be stored;
 `wait_for_save` gathers them out of the device cache after the forward and hands them
 to `store.save`, which copies into the cpu tier and writes disk and redis in the
 background. Chunks count as stored when they were in the store's lookup run at
-admission, or lay inside the device hit (they were saved when first computed). Because
+admission, or lay inside the device hit (they were saved when first computed). A tail
+record keeps the chunk shape with zeros after the tail, so the slab, disk and redis
+tiers keep one record size; the zeros compress away with --kv-compress. Because
 the gather happens before `update_from_output` frees a finished request's blocks (and,
 on CUDA, the compute stream waits for the copy), `request_finished` never needs to keep
 blocks.
 
 Preemption (offload mode): `request_preempted` gathers every computed full chunk the
-store does not hold and saves it before the scheduler frees the blocks; the resumed
-request finds them through the normal lookup. The partial tail is recomputed.
+store does not hold, and the tail chunk of the remaining full blocks, and saves them
+before the scheduler frees the blocks; the resumed request finds them through the normal
+lookup (when it was preempted in decode, its loadable end is where its KV ended). Only
+the last partial block is recomputed.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class KVStoreConnector:
         self._loading: dict[str, LoadJob] = {}
         self._abandoned: list[LoadJob] = []
         self._save_from: dict[str, int] = {}
+        self._tail_done: set[str] = set()  # the prompt's tail chunk is stored or saved
         self._prefetched: set[str] = set()
         self._meta: StepMeta | None = None
 
@@ -144,10 +151,16 @@ class KVStoreConnector:
 
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         self._forget(request.request_id)
-        keys = self._chunk_keys(request, 0, self._computed_chunks(request, request.num_computed_tokens))
-        stored = self.store.lookup(keys).num_chunks if keys else 0
-        saves = [ChunkSave(keys[c], self.geometry.chunk_blocks(block_ids, c)) for c in range(stored, len(keys))]
-        self.counters.offloaded_chunks += self._save(saves)
+        computed = request.num_computed_tokens
+        full = self._computed_chunks(request, computed)
+        saves = [
+            ChunkSave(key, self.geometry.chunk_blocks(block_ids, c))
+            for c, key in enumerate(self._chunk_keys(request, 0, full))
+        ]
+        tail = self._tail_save(request, block_ids, computed // self.geometry.block_size)
+        saves += [tail] if tail is not None else []
+        stored = self.store.lookup([s.key for s in saves]).num_chunks if saves else 0
+        self.counters.offloaded_chunks += self._save(saves[stored:])
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         self._forget(request.request_id)
@@ -161,7 +174,7 @@ class KVStoreConnector:
             if request.request_id in self._prefetched or request.request_id == loading:
                 continue
             self._prefetched.add(request.request_id)
-            keys = self._chunk_keys(request, 0, self.geometry.num_full_chunks(request.block_hashes))
+            keys = self._lookup_keys(request, 0)
             if not keys:
                 continue
             found = self.store.lookup(keys)
@@ -235,10 +248,12 @@ class KVStoreConnector:
         C = self.geometry.chunk_tokens
         first = start // C
         limit = self.geometry.loadable_end(request.num_tokens)
-        last = min(-(-limit // C), self.geometry.num_full_chunks(request.block_hashes))
-        keys = self._chunk_keys(request, first, last)
+        keys = self._lookup_keys(request, first)
         found = self.store.lookup(keys).num_chunks if keys else 0
-        self._save_from[request.request_id] = first + found
+        full_chunks = self.geometry.num_full_chunks(request.block_hashes)
+        self._save_from[request.request_id] = min(first + found, full_chunks)
+        if start >= limit or first + found > full_chunks:
+            self._tail_done.add(request.request_id)
         end = min(limit, (first + found) * C)
         if end <= start:
             return None
@@ -259,6 +274,7 @@ class KVStoreConnector:
         if loaded_end < job.end_token:
             resume = loaded_end // self.geometry.chunk_tokens
             self._save_from[job.request_id] = min(self._save_from.get(job.request_id, resume), resume)
+            self._tail_done.discard(job.request_id)
         job.end_token = loaded_end
 
     def _scatter(self, job: LoadJob) -> None:
@@ -315,12 +331,29 @@ class KVStoreConnector:
                 limit = min(limit, request.num_prompt_tokens)
             upto = self._computed_chunks(request, limit)
             start = self._save_from.get(request.request_id, upto)
-            if upto <= start:
-                continue
-            keys = self._chunk_keys(request, start, upto)
-            saves += [ChunkSave(key, self.geometry.chunk_blocks(block_ids, start + i)) for i, key in enumerate(keys)]
-            self._save_from[request.request_id] = upto
+            if start < upto:
+                keys = self._chunk_keys(request, start, upto)
+                saves += [ChunkSave(key, self.geometry.chunk_blocks(block_ids, start + i)) for i, key in enumerate(keys)]
+                self._save_from[request.request_id] = upto
+            tail = self._prompt_tail_save(request, block_ids)
+            saves += [tail] if tail is not None else []
         return saves
+
+    def _prompt_tail_save(self, request: ConnectorRequest, block_ids: list[int]) -> ChunkSave | None:
+        """The prompt's tail chunk, once its prefill is done, unless it is known stored."""
+        if request.request_id in self._tail_done or request.num_computed_tokens < request.num_prompt_tokens:
+            return None
+        self._tail_done.add(request.request_id)
+        end = self.geometry.tail_end(request.num_prompt_tokens)
+        return None if end is None else self._tail_save(request, block_ids, end)
+
+    def _tail_save(self, request: ConnectorRequest, block_ids: list[int], end_block: int) -> ChunkSave | None:
+        """The tail chunk of the request's full blocks before `end_block`, if any."""
+        blocks = self.geometry.tail_blocks(end_block)
+        if blocks is None:
+            return None
+        key = self.store.key(request.block_hashes[end_block - 1])
+        return ChunkSave(key, tuple(block_ids[blocks.start : blocks.stop]))
 
     def _save(self, saves: list[ChunkSave]) -> int:
         """Copy chunks out of the device cache and hand them to the store; returns how
@@ -333,7 +366,9 @@ class KVStoreConnector:
         saves = saves[: len(chunks)]
         event = None
         for save, chunk in zip(saves, chunks, strict=True):
-            event = self.transfer.gather(save.block_ids, chunk.tensor)
+            count = len(save.block_ids)
+            chunk.tensor[count:].zero_()  # a tail chunk: no stale KV of another request
+            event = self.transfer.gather(save.block_ids, chunk.tensor[:count])
         if event is not None:
             self.transfer.when_done(event, lambda: self._hand_to_store(saves, chunks))
         self.counters.save_copy_seconds += time.perf_counter() - started
@@ -358,12 +393,24 @@ class KVStoreConnector:
         hashes = request.block_hashes
         return [self.store.key(self.geometry.end_hash(hashes, c)) for c in range(first, last)]
 
+    def _lookup_keys(self, request: ConnectorRequest, first: int) -> list[ChunkKey]:
+        """Keys of the chunks from `first` on that can supply loadable tokens: full
+        chunks, then the tail chunk when the loadable tokens end inside a chunk."""
+        limit = self.geometry.loadable_end(request.num_tokens)
+        last = min(-(-limit // self.geometry.chunk_tokens), self.geometry.num_full_chunks(request.block_hashes))
+        keys = self._chunk_keys(request, first, last)
+        tail = self.geometry.tail_end(request.num_tokens)
+        if tail is not None:
+            keys.append(self.store.key(request.block_hashes[tail - 1]))
+        return keys
+
     def _computed_chunks(self, request: ConnectorRequest, num_tokens: int) -> int:
         """Full chunks within the first `num_tokens` tokens that have a key."""
         return min(num_tokens // self.geometry.chunk_tokens, self.geometry.num_full_chunks(request.block_hashes))
 
     def _forget(self, request_id: str) -> None:
         self._save_from.pop(request_id, None)
+        self._tail_done.discard(request_id)
         self._prefetched.discard(request_id)
         if self._pending is not None and self._pending.request_id == request_id:
             self._discard(self._pending)

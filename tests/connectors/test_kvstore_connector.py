@@ -83,18 +83,18 @@ def cache() -> torch.Tensor:
 
 def test_saves_prompt_chunks_then_loads_them_into_other_blocks(cache, tmp_path):
     connector = make_connector(cache, tmp_path)
-    first = make_request("a", 21)  # 5 full blocks, 2 full chunks
+    first = make_request("a", 21)  # 5 full blocks: 2 full chunks and a tail of one block
     compute_and_save(connector, first, [0, 1, 2, 3, 4, 5])
-    assert connector.stats()["kv_saved_chunks"] == 2
+    assert connector.stats()["kv_saved_chunks"] == 3
 
     again = make_request("b", 21)
     table = [10, 11, 12, 13, 14, 15]
-    assert admit(connector, again, 0, table) == (16, False)
+    assert admit(connector, again, 0, table) == (20, False)
     run_step(connector, [], [])
-    assert block_values(cache, table[:4]) == [0, 1, 2, 3]
-    assert block_values(cache, table[4:]) == [14, 15]
+    assert block_values(cache, table[:5]) == [0, 1, 2, 3, 4]
+    assert block_values(cache, table[5:]) == [15]
     stats = connector.stats()
-    assert stats["kv_loaded_tokens"] == stats["kv_external_hit_tokens_cpu"] == 16
+    assert stats["kv_loaded_tokens"] == stats["kv_external_hit_tokens_cpu"] == 20
     connector.close()
 
 
@@ -103,9 +103,9 @@ def test_device_hit_inside_a_chunk_writes_only_the_missing_blocks(cache, tmp_pat
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
     request = make_request("b", 21)
     table = [20, 21, 22, 23, 24, 25]  # block 20 is the device hit (one block)
-    assert admit(connector, request, BS, table) == (12, False)
+    assert admit(connector, request, BS, table) == (16, False)
     run_step(connector, [], [])
-    assert block_values(cache, table) == [20, 1, 2, 3, 24, 25]
+    assert block_values(cache, table) == [20, 1, 2, 3, 4, 25]
     connector.close()
 
 
@@ -145,7 +145,7 @@ def test_an_aborted_load_never_writes_the_device_cache(cache, tmp_path, tiers):
     request = make_request("b", 21)
     table = [30, 31, 32, 33, 34, 35]
     num_external, _ = admit(connector, request, 0, table)
-    assert num_external == 16
+    assert num_external == 20
     assert not connector.request_finished(request, table)
     run_step(connector, [], [])
     deadline = time.monotonic() + 5
@@ -170,25 +170,26 @@ def test_async_disk_load_reports_what_arrived(cache, tmp_path):
     if not is_async:  # the file read won the race against the check
         run_step(connector, [], [])
         loaded = {"b": num_external}
-    assert loaded == {"b": 16}
-    assert block_values(cache, table[:4]) == [0, 1, 2, 3]
-    assert connector.stats()["kv_external_hit_tokens_disk"] == 16
+    assert loaded == {"b": 20}
+    assert block_values(cache, table[:5]) == [0, 1, 2, 3, 4]
+    assert connector.stats()["kv_external_hit_tokens_disk"] == 20
     connector.close()
 
 
 def test_prefetch_pulls_queued_requests_chunks_into_the_cpu_tier(cache, tmp_path):
     connector = make_connector(cache, tmp_path, tiers="cpu,disk")
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
-    assert connector.flush(["cpu"]) == {"cpu": 2}
+    assert connector.flush(["cpu"]) == {"cpu": 3}
     queued = make_request("b", 21)
     connector.prefetch([queued])
     connector.prefetch([queued])  # once per request
     assert connector.stats()["kv_prefetched_requests"] == 1
+    keys = [*connector.store.chunk_keys(queued.block_hashes, BS), connector.store.key(queued.block_hashes[4])]
     deadline = time.monotonic() + 5
-    while connector.store.lookup(connector.store.chunk_keys(queued.block_hashes, BS)).tiers != ("cpu", "cpu"):
+    while connector.store.lookup(keys).tiers != ("cpu", "cpu", "cpu"):
         assert time.monotonic() < deadline, "the prefetch never reached the cpu tier"
         time.sleep(0.01)
-    assert admit(connector, queued, 0, list(range(10, 16))) == (16, False)
+    assert admit(connector, queued, 0, list(range(10, 16))) == (20, False)
     connector.close()
 
 
@@ -196,7 +197,7 @@ def test_without_staging_loads_shrink_and_saves_are_skipped(cache, tmp_path):
     connector = make_connector(cache, tmp_path, staging=1)
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
     stats = connector.stats()
-    assert (stats["kv_saved_chunks"], stats["kv_save_skipped_chunks"]) == (1, 1)
+    assert (stats["kv_saved_chunks"], stats["kv_save_skipped_chunks"]) == (1, 2)
     table = list(range(10, 16))
     assert admit(connector, make_request("b", 21), 0, table) == (8, False)
     run_step(connector, [], [])
@@ -209,12 +210,12 @@ def test_preemption_saves_computed_chunks_the_store_lacks(cache, tmp_path):
     request = make_request("a", 25)
     table = [0, 1, 2, 3, 4, 5, 6]
     admit(connector, request, 0, table)
-    request.num_computed_tokens = 20  # mid-prefill: chunks 0 and 1 are computed
+    request.num_computed_tokens = 20  # mid-prefill: chunks 0 and 1 and block 4 are computed
     connector.request_preempted(request, table)
-    assert connector.stats()["kv_offloaded_chunks"] == 2
+    assert connector.stats()["kv_offloaded_chunks"] == 3  # two chunks and a one-block tail
     request.num_computed_tokens = 24
     connector.request_preempted(request, table)
-    assert connector.stats()["kv_offloaded_chunks"] == 3
+    assert connector.stats()["kv_offloaded_chunks"] == 4
     again = make_request("b", 25)
     assert admit(connector, again, 0, list(range(10, 17))) == (24, False)
     connector.close()
@@ -224,14 +225,14 @@ def test_pin_unpin_flush_and_tier_stats(cache, tmp_path):
     connector = make_connector(cache, tmp_path, tiers="cpu,disk")
     request = make_request("a", 21)
     compute_and_save(connector, request, [0, 1, 2, 3, 4, 5])
-    assert connector.pin(request.block_hashes, ttl_s=60) == 2
-    assert connector.flush(None) == {"cpu": 0, "disk": 0}
+    assert connector.pin(request.block_hashes, ttl_s=60) == 2  # full chunks: a prefix's tail is its own
+    assert connector.flush(None) == {"cpu": 1, "disk": 1}
     assert connector.unpin(request.block_hashes) == 2
     assert connector.flush(["cpu"]) == {"cpu": 2}
     tiers = connector.tier_stats()
     assert set(tiers) == {"cpu", "disk"}
     assert tiers["disk"]["healthy"] and tiers["disk"]["usage_bytes"] > 0
-    assert tiers["cpu"]["save_latency"]["count"] == 2
+    assert tiers["cpu"]["save_latency"]["count"] == 3
     connector.close()
 
 

@@ -95,6 +95,23 @@ def test_long_context_replay_loads_the_second_round_from_the_cpu_tier(tiny_llama
     assert first == second == plain_first == plain_second
 
 
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+def test_a_replayed_prompt_ending_inside_a_chunk_loads_up_to_its_last_full_block(tiny_llama, tmp_path, tiers):
+    # Each prompt ends one block or more past its last full chunk: the tail chunk carries
+    # those blocks, so only the last partial block (or the last token) is recomputed.
+    lengths = [150, 97, 120, 81]
+    prompts = random_prompts(lengths, vocab_size=480, seed=13)
+    with LLM(model=tiny_llama, dtype="float32", kv_offload=tiers, kv_chunk_tokens=CHUNK,
+             kv_offload_disk_path=str(tmp_path / "kv")) as llm:
+        first = one_by_one(llm, prompts, 5)
+        llm.engine.kv_cache_manager.reset_prefix_cache()
+        before = counters(llm)
+        again = one_by_one(llm, prompts, 5)
+        loaded = delta(before, counters(llm))["kv_loaded_tokens"]
+    assert again == first == generate(LLM(model=tiny_llama, dtype="float32"), prompts, [5] * 4)
+    assert loaded == sum((n - 1) // 16 * 16 for n in lengths)
+
+
 def test_offload_preemption_recomputes_fewer_tokens_than_recompute(tiny_llama):
     # Six requests with long outputs in a pool of a third of what they need: preempted
     # requests have computed several output chunks that recompute mode recomputes.
