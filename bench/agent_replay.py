@@ -16,26 +16,18 @@ import argparse
 import random
 from dataclasses import dataclass, field
 
-from bench import plots
+from bench.cache_workload import measure_variants, plot_by_group, render_page
 from bench.driver import (
     Turn,
     add_engine_args,
     parse_variants,
     parse_workload_args,
     random_tokens,
-    run_variants,
     variant_llm,
     variants_help,
 )
-from bench.profiling import profile_requests, render_profile
-from bench.summary import (
-    describe_variants,
-    later_summary,
-    publish,
-    render_variants,
-    result_header,
-    variant_summaries,
-)
+from bench.profiling import profile_requests
+from bench.summary import describe_variants, later_summary, publish
 
 NAME = "agent-replay"
 SMOKE = {"agents": 2, "turns": 2, "system_prompt_len": 16, "task_len": 48, "tool_output": [8, 16],
@@ -118,12 +110,8 @@ def profile(args: argparse.Namespace, vocab: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    result = result_header(NAME, argv, args)
-    vocab = result["model"]["vocab_size"]
-    runs = run_variants(args, parse_variants(args.variants), lambda: make_agents(args, vocab), args.repeats)
-    result["variants"] = variant_summaries(runs)
-    if args.profile:
-        result["profile"] = profile(args, vocab)
+    result = measure_variants(NAME, argv, args, parse_variants(args.variants),
+                              lambda vocab: make_agents(args, vocab), profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0
@@ -134,26 +122,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(result: dict) -> str:
     o = result["options"]
-    text = (f"{o['agents']} agents x {o['turns']} turns; system prompt {o['system_prompt_len']} tokens, task "
-            f"{o['task_len']}, tool outputs {o['tool_output'][0]}-{o['tool_output'][1]}, answers {o['answer_len']}, "
-            f"pauses {o['pause'][0]}-{o['pause'][1]} s; device KV pool {16 * o['num_kv_blocks']} tokens for about "
-            f"{final_context_tokens(o)} tokens of final contexts.\n\n")
-    text += render_variants(result["variants"], "turn")
-    if "profile" in result:
-        text += "\n" + render_profile(result["profile"])
-    return text
+    intro = (f"{o['agents']} agents x {o['turns']} turns; system prompt {o['system_prompt_len']} tokens, task "
+             f"{o['task_len']}, tool outputs {o['tool_output'][0]}-{o['tool_output'][1]}, answers {o['answer_len']}, "
+             f"pauses {o['pause'][0]}-{o['pause'][1]} s; device KV pool {16 * o['num_kv_blocks']} tokens for about "
+             f"{final_context_tokens(o)} tokens of final contexts.\n\n")
+    return render_page(result, intro, "turn")
 
 
 def plot(result: dict) -> None:
-    variants = result["variants"]
-    turns = list(next(iter(variants.values()))["by_tag"])
-    ttft = {v: [r["by_tag"][t]["ttft_p50_ms"] for t in turns] for v, r in variants.items()}
-    hits = {v: [100 * r["by_tag"][t]["hit_fraction"] for t in turns] for v, r in variants.items()}
-    x = list(range(1, len(turns) + 1))
-    plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("TTFT p50 per turn", "turn", "ms", x, ttft, logy=True),
-        plots.Panel("Prompt tokens not recomputed", "turn", "% of prompt tokens", x, hits, kind="bar"),
-    ], "Agent replay: contexts evicted during tool calls")
+    plot_by_group(NAME, result, "turn", "Agent replay: contexts evicted during tool calls")
 
 
 def describe(result: dict) -> str:

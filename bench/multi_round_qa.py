@@ -16,25 +16,18 @@ import argparse
 import random
 from dataclasses import dataclass, field
 
-from bench import plots
+from bench.cache_workload import measure_variants, plot_by_group, render_page
 from bench.driver import (
     Turn,
     add_engine_args,
     parse_variants,
     parse_workload_args,
     random_tokens,
-    run_variants,
     variant_llm,
     variants_help,
 )
-from bench.profiling import profile_requests, render_profile
-from bench.summary import (
-    describe_variants,
-    publish,
-    render_variants,
-    result_header,
-    variant_summaries,
-)
+from bench.profiling import profile_requests
+from bench.summary import describe_variants, publish
 
 NAME = "multi-round-qa"
 SMOKE = {"users": 2, "rounds": 2, "system_prompt_len": 32, "history_len": 48, "question_len": 8,
@@ -109,12 +102,8 @@ def profile(args: argparse.Namespace, vocab: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    result = result_header(NAME, argv, args)
-    vocab = result["model"]["vocab_size"]
-    runs = run_variants(args, parse_variants(args.variants), lambda: make_users(args, vocab), args.repeats)
-    result["variants"] = variant_summaries(runs)
-    if args.profile:
-        result["profile"] = profile(args, vocab)
+    result = measure_variants(NAME, argv, args, parse_variants(args.variants),
+                              lambda vocab: make_users(args, vocab), profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0
@@ -131,25 +120,14 @@ def context_tokens(options: dict) -> int:
 
 def render(result: dict) -> str:
     o = result["options"]
-    text = (f"{o['users']} users x {o['rounds']} rounds, system prompt {o['system_prompt_len']} tokens, history "
-            f"{o['history_len']}, questions {o['question_len']}, answers {o['answer_len']}, {o['qps']} QPS; device "
-            f"KV pool {16 * o['num_kv_blocks']} tokens for {context_tokens(o)} tokens of contexts.\n\n")
-    text += render_variants(result["variants"], "round")
-    if "profile" in result:
-        text += "\n" + render_profile(result["profile"])
-    return text
+    intro = (f"{o['users']} users x {o['rounds']} rounds, system prompt {o['system_prompt_len']} tokens, history "
+             f"{o['history_len']}, questions {o['question_len']}, answers {o['answer_len']}, {o['qps']} QPS; device "
+             f"KV pool {16 * o['num_kv_blocks']} tokens for {context_tokens(o)} tokens of contexts.\n\n")
+    return render_page(result, intro, "round")
 
 
 def plot(result: dict) -> None:
-    variants = result["variants"]
-    rounds = list(next(iter(variants.values()))["by_tag"])
-    ttft = {v: [r["by_tag"][t]["ttft_p50_ms"] for t in rounds] for v, r in variants.items()}
-    hits = {v: [100 * r["by_tag"][t]["hit_fraction"] for t in rounds] for v, r in variants.items()}
-    x = list(range(1, len(rounds) + 1))
-    plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("TTFT p50 per round", "round", "ms", x, ttft, logy=True),
-        plots.Panel("Prompt tokens not recomputed", "round", "% of prompt tokens", x, hits, kind="bar"),
-    ], "Multi-round QA")
+    plot_by_group(NAME, result, "round", "Multi-round QA")
 
 
 def describe(result: dict) -> str:

@@ -22,7 +22,7 @@ import argparse
 import random
 from dataclasses import dataclass, field
 
-from bench import plots
+from bench.cache_workload import measure_variants, plot_by_group, render_page
 from bench.driver import (
     VARIANTS,
     Turn,
@@ -30,17 +30,10 @@ from bench.driver import (
     add_engine_args,
     parse_workload_args,
     random_tokens,
-    run_variants,
     variant_llm,
 )
-from bench.profiling import profile_requests, render_profile
-from bench.summary import (
-    describe_variants,
-    publish,
-    render_variants,
-    result_header,
-    variant_summaries,
-)
+from bench.profiling import profile_requests
+from bench.summary import describe_variants, publish
 
 NAME = "rag"
 FIRST = "first"
@@ -118,13 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.k < 3:
         raise SystemExit("-k must be at least 3 (the reordered phase swaps the last two documents)")
-    result = result_header(NAME, argv, args)
-    vocab = result["model"]["vocab_size"]
-    runs = run_variants(args, variants(args), lambda: [QueryStream(make_queries(args, vocab), args.answer_len)],
-                        args.repeats)
-    result["variants"] = variant_summaries(runs)
-    if args.profile:
-        result["profile"] = profile(args, vocab)
+    result = measure_variants(NAME, argv, args, variants(args),
+                              lambda vocab: [QueryStream(make_queries(args, vocab), args.answer_len)], profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0
@@ -136,25 +124,15 @@ def main(argv: list[str] | None = None) -> int:
 def render(result: dict) -> str:
     o = result["options"]
     shared = o["system_prompt_len"] + o["k"] * o["doc_len"]
-    text = (f"{o['documents']} documents of {o['doc_len']} tokens, {o['k']} per query after a "
-            f"{o['system_prompt_len']}-token system prompt ({shared} shared tokens + a {o['question_len']}-token "
-            f"question), {o['queries']} queries per phase, one at a time; device KV pool "
-            f"{16 * o['num_kv_blocks']} tokens.\n\n")
-    text += render_variants(result["variants"], "phase")
-    if "profile" in result:
-        text += "\n" + render_profile(result["profile"])
-    return text
+    intro = (f"{o['documents']} documents of {o['doc_len']} tokens, {o['k']} per query after a "
+             f"{o['system_prompt_len']}-token system prompt ({shared} shared tokens + a {o['question_len']}-token "
+             f"question), {o['queries']} queries per phase, one at a time; device KV pool "
+             f"{16 * o['num_kv_blocks']} tokens.\n\n")
+    return render_page(result, intro, "phase")
 
 
 def plot(result: dict) -> None:
-    variants_ = result["variants"]
-    phases = list(next(iter(variants_.values()))["by_tag"])
-    ttft = {v: [r["by_tag"][p]["ttft_p50_ms"] for p in phases] for v, r in variants_.items()}
-    hits = {v: [100 * r["by_tag"][p]["hit_fraction"] for p in phases] for v, r in variants_.items()}
-    plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("TTFT p50 per phase", "phase", "ms", phases, ttft, kind="bar", logy=True),
-        plots.Panel("Prompt tokens not recomputed", "phase", "% of prompt tokens", phases, hits, kind="bar"),
-    ], "RAG: k documents per query, only true prefixes hit")
+    plot_by_group(NAME, result, "phase", "RAG: k documents per query, only true prefixes hit", numbered=False)
 
 
 def describe(result: dict) -> str:

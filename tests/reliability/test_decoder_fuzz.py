@@ -19,11 +19,12 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scorecard import Scorecard
-from store_helpers import RedisServer, make_spec
 
+from bench.redis_server import RedisServer
 from kvstore import RecordError, TieredStore
 from kvstore.record import FLAG_HMAC, FLAG_LZ4, FLAG_LZ4_PLANES, HEADER_SIZE, MAGIC, RecordCodec
 from kvstore.spec import MAX_RANK, tensor_bytes
+from tests.store.store_helpers import make_spec
 
 pytestmark = pytest.mark.timeout(180)
 

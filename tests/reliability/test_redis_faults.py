@@ -5,8 +5,9 @@ unhealthy and comes back by itself, and no step waits longer than the timeouts a
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from reliability_support import (
@@ -24,8 +25,8 @@ from reliability_support import (
     wrong_outputs,
 )
 from scorecard import Scorecard
-from store_helpers import RedisServer
 
+from bench.redis_server import RedisServer
 from engine import LLM
 from kvstore import ChunkKey, LookupResult, TieredStore
 
@@ -96,9 +97,17 @@ class Phases:
         return server.client().dbsize()
 
 
-def redis_engine(model: str, url: str) -> LLM:
-    return LLM(model=model, **STORE_ONLY, kv_offload="redis", kv_redis_url=url,
-               kv_load_timeout=LOAD_TIMEOUT_S)
+@contextlib.contextmanager
+def warm_phases(model: str, server: RedisServer, cold: ColdOracle) -> Iterator[Phases]:
+    """An engine on `server` (redis tier only) that ran the phases "warm" (every chunk
+    stored) and "hits" (every chunk loaded); closed on exit."""
+    with LLM(model=model, **STORE_ONLY, kv_offload="redis", kv_redis_url=server.url,
+             kv_load_timeout=LOAD_TIMEOUT_S) as llm:
+        phases = Phases(llm, cold(model, PROMPTS, MAX_TOKENS))
+        phases.run("warm")
+        assert phases.drained_record_count(server) == CHUNKS
+        assert phases.run("hits")["kv_external_hit_tokens_redis"] == LOADABLE
+        yield phases
 
 
 def healthy_after(phases: Phases, since: float) -> float:
@@ -107,23 +116,24 @@ def healthy_after(phases: Phases, since: float) -> float:
     return time.monotonic() - since
 
 
-def assert_warm(phases: Phases, server: RedisServer) -> None:
-    phases.run("warm")
-    assert phases.drained_record_count(server) == CHUNKS
-    assert phases.run("hits")["kv_external_hit_tokens_redis"] == LOADABLE
-
-
 def step_bound(phases: Phases) -> float:
     """What a step may take during a fault: the slowest healthy step plus one Redis
     lookup timeout per request looked up in it."""
     return phases.max_step_s("warm", "hits") + (LOOKUP_TIMEOUT_S + LOOKUP_SLACK_S) * len(PROMPTS)
 
 
+def assert_fault_contained(phases: Phases, fault: tuple[str, str], bound: float, after: dict[str, float]) -> None:
+    """Every output right; during the `fault` phases no step over `bound` and no lookup over
+    its timeout; once the fault is over (the `after` phase) every chunk loads again."""
+    assert phases.wrong() == 0
+    assert phases.max_step_s(*fault) <= bound
+    assert phases.max_lookup_s(*fault) <= LOOKUP_TIMEOUT_S + LOOKUP_SLACK_S
+    assert after["kv_external_hit_tokens_redis"] == LOADABLE
+
+
 def test_redis_killed_mid_run_and_restarted(model_path, cold: ColdOracle, redis_factory, scorecard: Scorecard):
     server = redis_factory()
-    with redis_engine(model_path, server.url) as llm:
-        phases = Phases(llm, cold(model_path, PROMPTS, MAX_TOKENS))
-        assert_warm(phases, server)
+    with warm_phases(model_path, server, cold) as phases:
         phases.run("killed", on_step=lambda n: n == 1 and server.kill())
         detected = wait_until(lambda: phases.health() == "unhealthy", RECOVERY_TIMEOUT_S)
         assert phases.run("down")["kv_loaded_tokens"] == 0
@@ -138,20 +148,15 @@ def test_redis_killed_mid_run_and_restarted(model_path, cold: ColdOracle, redis_
             "redis", "killed mid-run, restarted", requests=phases.requests(),
             wrong_outputs=phases.wrong(), recovery_s=recovery, seconds_to_notice_the_kill=detected,
             max_step_s_down=phases.max_step_s("killed", "down"), step_bound_s=bound,
-            max_lookup_s_down=phases.max_lookup_s("killed", "down"), redis_errors=tier(llm.engine, "redis")["errors"],
+            max_lookup_s_down=phases.max_lookup_s("killed", "down"), redis_errors=tier(phases.engine, "redis")["errors"],
             loaded_tokens_after=after["kv_external_hit_tokens_redis"],
         )
-    assert phases.wrong() == 0
-    assert phases.max_step_s("killed", "down") <= bound
-    assert phases.max_lookup_s("killed", "down") <= LOOKUP_TIMEOUT_S + LOOKUP_SLACK_S
-    assert after["kv_external_hit_tokens_redis"] == LOADABLE
+    assert_fault_contained(phases, ("killed", "down"), bound, after)
 
 
 def test_redis_paused_forces_timeouts(model_path, cold: ColdOracle, redis_factory, scorecard: Scorecard):
     server = redis_factory()
-    with redis_engine(model_path, server.url) as llm:
-        phases = Phases(llm, cold(model_path, PROMPTS, MAX_TOKENS))
-        assert_warm(phases, server)
+    with warm_phases(model_path, server, cold) as phases:
         try:
             paused = phases.run("paused", on_step=lambda n: n == 1 and server.pause())
             still = phases.run("still paused")
@@ -166,15 +171,12 @@ def test_redis_paused_forces_timeouts(model_path, cold: ColdOracle, redis_factor
             "redis", "paused (SIGSTOP)", requests=phases.requests(), wrong_outputs=phases.wrong(),
             recovery_s=recovery, max_step_s_paused=phases.max_step_s("paused", "still paused"),
             step_bound_s=bound, max_lookup_s_paused=phases.max_lookup_s("paused", "still paused"),
-            redis_errors=tier(llm.engine, "redis")["errors"],
+            redis_errors=tier(phases.engine, "redis")["errors"],
             loaded_tokens_while_paused=paused["kv_loaded_tokens"] + still["kv_loaded_tokens"],
             loaded_tokens_after=after["kv_external_hit_tokens_redis"],
             seconds_to_first_hit_after_resume=time.monotonic() - resumed,
         )
-    assert phases.wrong() == 0
-    assert phases.max_step_s("paused", "still paused") <= bound
-    assert phases.max_lookup_s("paused", "still paused") <= LOOKUP_TIMEOUT_S + LOOKUP_SLACK_S
-    assert after["kv_external_hit_tokens_redis"] == LOADABLE
+    assert_fault_contained(phases, ("paused", "still paused"), bound, after)
 
 
 def test_redis_restarted_empty_mid_run(model_path, cold: ColdOracle, redis_factory, scorecard: Scorecard):
@@ -190,9 +192,7 @@ def test_redis_restarted_empty_mid_run(model_path, cold: ColdOracle, redis_facto
             server.start()
             recovery.append(healthy_after(phases, restarted))
 
-    with redis_engine(model_path, server.url) as llm:
-        phases = Phases(llm, cold(model_path, PROMPTS, MAX_TOKENS))
-        assert_warm(phases, server)
+    with warm_phases(model_path, server, cold) as phases:
         emptied = phases.run("restarted", on_step=restart_empty)
         phases.run("refill")
         refilled = phases.drained_record_count(server)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import ADMIN_TOKEN, MAX_MODEL_LEN, ServerProcess, server_flags
+
+from tests.server.server_helpers import ADMIN_TOKEN, MAX_MODEL_LEN, ServerProcess, server_flags
 
 
 @pytest.fixture(scope="session")

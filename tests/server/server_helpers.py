@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -21,19 +22,32 @@ STARTUP_TIMEOUT_S = 120
 
 
 class ServerProcess:
-    """`python -m engine.cli serve ...` with --port 0; the URL comes from its startup summary."""
+    """`python -m engine.cli serve ...` with --port 0; the URL comes from its startup summary.
 
-    def __init__(self, *flags: str) -> None:
-        command = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    `command` replaces `python -m engine.cli serve` by another entry point taking the same
+    flags (the reliability tests' poisoned server), `env` the environment it runs in."""
+
+    def __init__(
+        self,
+        *flags: str,
+        command: Sequence[str] = (sys.executable, "-m", "engine.cli", "serve"),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.flags = flags
+        env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [*command, "--port", "0", *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
         )
         self.lines: list[str] = []
         self._url_seen = threading.Event()
         self.url = ""
         threading.Thread(target=self._read_output, daemon=True).start()
         self._wait_ready()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def _read_output(self) -> None:
         for line in self.process.stdout:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_helpers import MAX_MODEL_LEN, MODEL_NAME
+
+from tests.server.server_helpers import MAX_MODEL_LEN, MODEL_NAME
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import MODEL_NAME
+
+from tests.server.server_helpers import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import ADMIN_TOKEN, MODEL_NAME, ServerProcess, server_flags
+
+from tests.server.server_helpers import ADMIN_TOKEN, MODEL_NAME, ServerProcess, server_flags
 
 pytestmark = pytest.mark.timeout(60)
 

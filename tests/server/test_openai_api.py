@@ -9,9 +9,9 @@ import json
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL_NAME
 
 from engine import SamplingParams
+from tests.server.server_helpers import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(120)
 

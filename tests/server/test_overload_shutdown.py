@@ -8,7 +8,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MODEL_NAME, ServerProcess, server_flags
+
+from tests.server.server_helpers import MODEL_NAME, ServerProcess, server_flags
 
 pytestmark = pytest.mark.timeout(120)
 

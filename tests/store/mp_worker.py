@@ -17,9 +17,9 @@ import sys
 import time
 
 import torch
-from store_helpers import bits_equal, chunk_payload, make_spec
 
 from kvstore import TieredStore
+from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 
 def block_hash(i: int) -> bytes:

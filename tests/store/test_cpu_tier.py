@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
-from store_helpers import bits_equal
 
+from tests.store.store_helpers import bits_equal
 from tiers import CpuTier, PinTable, TierConfigError
 from tiers.cpu import ALREADY_PRESENT, NO_ROOM
 

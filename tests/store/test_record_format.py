@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from store_helpers import bits_equal, chunk_payload, make_spec
 
 from kvstore.compression import Codec, resolve_codec
 from kvstore.errors import (
@@ -25,6 +24,7 @@ from kvstore.errors import (
 )
 from kvstore.record import HEADER_SIZE, MAGIC, RecordCodec, parse_header
 from kvstore.spec import tensor_bytes
+from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KEY = hashlib.sha256(b"key").digest()

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import torch
-from store_helpers import bits_equal, chunk_payload, make_spec
 
 from kvstore import TieredStore
+from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from store_helpers import bits_equal, chunk_payload, make_spec
 
 from kvstore import (
     ChunkSpecError,
@@ -18,6 +17,7 @@ from kvstore import (
 )
 from kvstore.record import HEADER_SIZE, RecordCodec
 from kvstore.spec import tensor_bytes
+from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
