@@ -15,16 +15,20 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import machine_info, markdown_table, median, timed, write_result
+from bench import plots
+from bench.common import markdown_table, median, timed
+from bench.profiling import profile_note, profile_requests, profile_tables
+from bench.summary import publish, run_stamp, workload_parser
 from engine import LLM, SamplingParams
 from engine.builtin_model import default_model_path
 
+NAME = "engine"
+PROFILE_PROMPTS = 8  # the profile runs this many of the mixed batch's requests together
+ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvtier bench engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="Checkpoint directory (default: the built-in model).")
-    p.add_argument("--dtype", default="bfloat16")
+    p = workload_parser(NAME, __doc__, f"{PROFILE_PROMPTS} requests of the mixed batch")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
@@ -34,7 +38,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-batches", type=int, nargs="+", default=(1, 32))
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--skip-hf-batch", action="store_true", help="Skip the (slow) transformers batch baseline.")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -96,7 +99,8 @@ def decode_step_ms(llm: LLM, batch: int, steps: int, vocab: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv or [])
+    argv = list(argv or [])
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
     path = args.model or default_model_path()
     llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.batch_size,
@@ -104,23 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     vocab = llm.engine.spec.vocab_size
     prompts, outputs = make_workload(args, vocab)
-    result = {"machine": machine_info(), "args": vars(args), "model": path}
+    result = {**run_stamp(NAME, argv), "args": vars(args), "model": path}
     result["engine_batch"] = engine_batch(llm, prompts, outputs)
     if not args.skip_hf_batch:
         result["hf_batch"] = hf_static_batches(hf, prompts, outputs, args.batch_size)
     result["prefill"] = prefill(llm, hf, args.prefill_len, vocab)
     result["decode_ms"] = {str(b): decode_step_ms(llm, b, args.decode_steps, vocab) for b in args.decode_batches}
-    write_result("engine", result, render(result))
-    print(render(result))
+    if args.profile:
+        n = min(PROFILE_PROMPTS, len(prompts))
+        result["profile"] = profile_requests(llm, prompts[:n], int(median(outputs[:n])),
+                                             f"{n} requests of the mixed batch together")
+    plot(result)
+    publish(NAME, result, render(result))
     return 0
 
 
 def render(result: dict) -> str:
     eng, pre = result["engine_batch"], result["prefill"]
-    rows = [["engine (continuous batching)", eng["seconds"], eng["output_tok_s"], 1.0]]
+    rows = [[ENGINE, eng["seconds"], eng["output_tok_s"], 1.0]]
     if "hf_batch" in result:
         hf = result["hf_batch"]
-        rows.append(["transformers generate (static batches)", hf["seconds"], hf["output_tok_s"],
+        rows.append([HF, hf["seconds"], hf["output_tok_s"],
                      hf["output_tok_s"] / eng["output_tok_s"]])
         rows[0][3] = eng["output_tok_s"] / hf["output_tok_s"]
     text = "Mixed batch (ratio column: engine / transformers)\n\n"
@@ -132,4 +140,46 @@ def render(result: dict) -> str:
     )
     text += f"\nprefill ratio engine/transformers: {pre['engine_tok_s'] / pre['hf_tok_s']:.2f}\n"
     text += "\nDecode step\n\n" + markdown_table(["batch", "ms/step"], [[b, ms] for b, ms in result["decode_ms"].items()])
-    return text
+    return text + profile_tables(result)
+
+
+def plot(result: dict) -> None:
+    systems = {ENGINE: result["engine_batch"], **({HF: result["hf_batch"]} if "hf_batch" in result else {})}
+    pre = result["prefill"]
+    batches = [int(b) for b in result["decode_ms"]]
+    step_ms = list(result["decode_ms"].values())
+    plots.save_figure(plots.png_path(NAME), [
+        plots.Panel("Mixed batch", "", "output tokens/s", ["engine", "transformers"][: len(systems)],
+                    plots.columns(systems, {"output tok/s": "output_tok_s"}), kind="bar"),
+        plots.Panel(f"Prefill of {pre['prompt_len']} tokens", "", "tokens/s", ["engine TTFT", "transformers forward"],
+                    {"tok/s": [pre["engine_tok_s"], pre["hf_tok_s"]]}, kind="bar"),
+        plots.Panel("Decode step", "requests decoding", "ms", batches,
+                    {"per step": step_ms, "per request": [ms / b for ms, b in zip(step_ms, batches, strict=True)]},
+                    logy=True),
+    ], "Engine vs transformers, same weights, same process")
+
+
+def describe(result: dict) -> str:
+    """What the numbers say, computed from them (a paragraph of docs/BENCHMARKS.md)."""
+    args, eng, pre = result["args"], result["engine_batch"], result["prefill"]
+    text = (f"Mixed batch of {args['num_prompts']} requests (prompts of {args['prompt_len'][0]}-{args['prompt_len'][1]} "
+            f"tokens, outputs of {args['output_len'][0]}-{args['output_len'][1]}): the engine produced "
+            f"{eng['output_tok_s']:.0f} output tok/s")
+    if "hf_batch" in result:
+        hf = result["hf_batch"]
+        text += f" against {hf['output_tok_s']:.0f} for transformers ({eng['output_tok_s'] / hf['output_tok_s']:.2f}x)"
+        if eng["output_tok_s"] > hf["output_tok_s"]:
+            text += (f": a static batch of {args['batch_size']} decodes until its longest output with its finished "
+                     "rows still in it, while continuous batching gives a finished request's seat to a waiting one")
+    text += (f". Prefill of {pre['prompt_len']} tokens: engine TTFT {1000 * pre['engine_s']:.0f} ms, one transformers "
+             f"forward {1000 * pre['hf_forward_s']:.0f} ms (engine at {100 * pre['engine_tok_s'] / pre['hf_tok_s']:.0f}% "
+             "of transformers' tokens/s; the same matmuls, plus the engine's KV writes, paged attention, sampling "
+             "and scheduling). ")
+    decode = {int(b): ms for b, ms in result["decode_ms"].items()}
+    small, large = min(decode), max(decode)
+    if large > small:
+        text += (f"Decode: a step takes {decode[small]:.1f} ms with {small} request(s) and {decode[large]:.0f} ms with "
+                 f"{large}, {decode[large] / large:.1f} ms per request: batching makes a token "
+                 f"{decode[small] / small / (decode[large] / large):.1f}x cheaper, since a step reads the weights once "
+                 "for the whole batch. ")
+    return (text + profile_note(result)).strip()

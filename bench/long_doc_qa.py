@@ -2,17 +2,20 @@
 device cache has evicted them.
 
 N documents of D tokens with no shared prefix, together about 2.3x the device KV pool,
-each asked a short new question per round; three rounds: in order, the same order
-again, reverse order. Store configurations: no offload, cpu, disk (page cache dropped
-before each round), cpu+disk, redis. Reported per round: TTFT p50/p99 and the prompt
+each followed by a short question; three rounds: in order, the same order again,
+reverse order. By default every round replays the same prompts (LMCache's shape);
+`--questions new` asks a new question per round, so the prompt's last chunk differs
+from the one stored and the store can supply only the document's full chunks. Store
+configurations: no offload, cpu, disk (page cache dropped before each round), cpu+disk,
+redis. Reported per round: TTFT p50/p99 and the prompt
 tokens each source served (device prefix cache, cpu, disk, redis).
 
 One request at a time, every configuration has its own engine and the engines serve
 each request in turn, together with a reference engine whose pool holds every document
-(its TTFT from round 2 on is a device prefix hit: only the question is computed). So
-every TTFT is paired with the others' for the same request a moment apart, and the
-ratios hold on a machine whose speed drifts. Then with 4 in flight, one configuration
-after the other.
+(its TTFT from round 2 on is a device prefix hit: only the last partial block, or what
+follows the document, is computed). So every TTFT is paired with the others' for the
+same request a moment apart, and the ratios hold on a machine whose speed drifts. Then
+with 4 in flight, one configuration after the other.
 
 Physical floor of a tier for a request: its device-hit TTFT plus the bytes it loaded
 from the tier divided by the tier's raw read bandwidth, measured in the same run
@@ -33,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine_info, markdown_table, percentile, write_result
+from bench import plots
+from bench.common import markdown_table, percentile
 from bench.kv_common import (
     STORE_CONFIGS,
     delta,
@@ -45,6 +49,7 @@ from bench.kv_common import (
     serve,
     store_options,
 )
+from bench.summary import publish, run_stamp
 from engine import LLM, SamplingParams
 from engine.builtin_model import default_model_path
 
@@ -62,6 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-docs", type=int, default=10)
     p.add_argument("--doc-tokens", type=int, default=5000)
     p.add_argument("--question-tokens", type=int, default=16)
+    p.add_argument("--questions", choices=("same", "new"), default="same",
+                   help="Replay each document's question every round, or ask a new one per round.")
     p.add_argument("--max-tokens", type=int, default=8, help="Answer length.")
     p.add_argument("--capacity-ratio", type=float, default=2.3,
                    help="Total document tokens / device KV pool tokens.")
@@ -87,6 +94,8 @@ def make_docs(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], li
     docs = [[rng.randrange(3, vocab) for _ in range(args.doc_tokens)] for _ in range(args.num_docs)]
     questions = [[[rng.randrange(3, vocab) for _ in range(args.question_tokens)] for _ in docs]
                  for _ in ROUND_ORDERS]
+    if args.questions == "same":
+        questions = [questions[0]] * len(ROUND_ORDERS)
     return docs, questions
 
 
@@ -253,6 +262,9 @@ def _timed(fn) -> float:
 
 # ---- main and report -----------------------------------------------------------------------
 
+NAME = "long-doc-qa"  # bench/results/NAME.json, .md, .png
+FLOOR_TARGET, SPEEDUP_TARGET = 1.5, 10  # TTFT / floor at most; no-offload TTFT / cpu TTFT in round 2 at least
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv or [])
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab, block_bytes = probe.engine.spec.vocab_size, probe.engine.block_bytes
     probe.close()
     docs, questions = make_docs(args, vocab)
-    result = {"machine": machine_info(), "args": vars(args), "model": model,
+    result = {**run_stamp(NAME, argv or []), "args": vars(args), "model": model,
               "kv_bytes_per_token": block_bytes // 16, "concurrent": {}}
     needs_redis = any("redis" in STORE_CONFIGS[c] for c in args.configs)
     with local_redis(args.redis_url if needs_redis else "unused") as redis_url:
@@ -276,9 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["concurrent"][f"{config}@{concurrency}"] = run
                 print(f"{config} x{concurrency}: " + ", ".join(
                     f"r{r['round']} p50 {r['ttft_p50_ms']:.0f} ms" for r in run["rounds"]), flush=True)
-    text = render(result)
-    write_result("long_doc_qa", result, text)
-    print(text)
+    plot(result)
+    publish(NAME, result, render(result))
     return 0
 
 
@@ -312,9 +323,10 @@ def round_table(runs: dict[str, list[dict]]) -> str:
                            "disk tok", "redis tok"], rows)
 
 
-def target_table(result: dict) -> str:
-    """Rounds 2 and 3, per request then median: speedup over no offload, and TTFT over
-    the tier's floor (device-hit TTFT of the same request + loaded bytes / raw bandwidth)."""
+def floor_rows(result: dict) -> list[dict]:
+    """Rounds 2 and 3 of every store that loaded something, per request then median:
+    speedup over no offload, and TTFT over the floor of the tier that served most
+    (device-hit TTFT of the same request + loaded bytes / the tier's raw bandwidth)."""
     paired, args = result["paired"], result["args"]
     rounds = paired["rounds"]
     rows = []
@@ -329,11 +341,101 @@ def target_table(result: dict) -> str:
                 bandwidth[tier] * 1e9)
             mine, ref = rnd["ttft_ms"], rounds[REFERENCE][index]["ttft_ms"]
             base = rounds["none"][index]["ttft_ms"] if "none" in rounds else [float("nan")] * len(mine)
-            speedup = statistics.median(b / m for b, m in zip(base, mine, strict=True))
-            over_floor = statistics.median(m / (r + transfer_ms) for m, r in zip(mine, ref, strict=True))
-            rows.append([config, rnd["round"], tier, bandwidth[tier], rnd["ttft_p50_ms"],
-                         rounds[REFERENCE][index]["ttft_p50_ms"], transfer_ms, over_floor, speedup])
-    return ("Per request (median of the paired ratios): TTFT / floor (target <= 1.5), no-offload TTFT / "
-            "TTFT (target >= 10 for cpu in round 2)\n\n" + markdown_table(
+            rows.append({"store": config, "round": rnd["round"], "tier": tier, "gb_s": bandwidth[tier],
+                         "ttft_p50_ms": rnd["ttft_p50_ms"], "device_hit_p50_ms": rounds[REFERENCE][index]["ttft_p50_ms"],
+                         "transfer_ms": transfer_ms,
+                         "over_floor": statistics.median(m / (r + transfer_ms) for m, r in zip(mine, ref, strict=True)),
+                         "speedup": statistics.median(b / m for b, m in zip(base, mine, strict=True))})
+    return rows
+
+
+def target_table(result: dict) -> str:
+    return (f"Per request (median of the paired ratios): TTFT / floor (target <= {FLOOR_TARGET}), no-offload TTFT / "
+            f"TTFT (target >= {SPEEDUP_TARGET} for cpu in round 2)\n\n" + markdown_table(
                 ["store", "round", "main tier", "raw GB/s", "TTFT p50 ms", "device-hit p50 ms",
-                 "transfer ms", "TTFT / floor", "speedup vs none"], rows))
+                 "transfer ms", "TTFT / floor", "speedup vs none"], [list(row.values()) for row in floor_rows(result)]))
+
+
+def ttft_p50s(runs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    return {name: [rnd["ttft_p50_ms"] for rnd in rounds] for name, rounds in runs.items()}
+
+
+def plot(result: dict) -> None:
+    axis = "round (" + ", ".join(f"{i} {order}" for i, order in enumerate(ROUND_ORDERS, 1)) + ")"
+    x = list(range(1, len(ROUND_ORDERS) + 1))
+    panels = []
+    if "paired" in result:
+        panels.append(plots.Panel("TTFT p50, one request at a time", axis, "ms", x,
+                                  ttft_p50s(result["paired"]["rounds"]), logy=True))
+    if result["concurrent"]:
+        runs = {name: run["rounds"] for name, run in result["concurrent"].items()}
+        panels.append(plots.Panel("TTFT p50, requests in flight", axis, "ms", x, ttft_p50s(runs), logy=True))
+    rows = floor_rows(result) if "paired" in result else []
+    if rows:
+        stores = list(dict.fromkeys(row["store"] for row in rows))
+        ratios = {(row["store"], row["round"]): row["over_floor"] for row in rows}
+        series = {f"round {k}": [ratios.get((store, k), float("nan")) for store in stores] for k in (2, 3)}
+        panels.append(plots.Panel("TTFT / floor (paired median)", "store", "x the floor", stores, series,
+                                  kind="bar", hlines={f"target {FLOOR_TARGET}": FLOOR_TARGET}))
+    plots.save_figure(plots.png_path(NAME), panels, "Long-document QA: TTFT per round and store")
+
+
+def describe(result: dict) -> str:
+    """What the numbers say, computed from them (a paragraph of docs/BENCHMARKS.md)."""
+    args = result["args"]
+    text = (f"The {args['num_docs']} documents ({args['num_docs'] * args['doc_tokens']} tokens) are "
+            f"{args['capacity_ratio']}x the device pool, and each comes back only after all the others, when the "
+            "LRU pool has evicted it: round 1 computes every document, round 2 finds them in the store if there "
+            "is one. ")
+    if "paired" in result:
+        text += _describe_paired(result)
+    levels = {}
+    for name, run in result["concurrent"].items():
+        config, concurrency = name.rsplit("@", 1)
+        levels.setdefault(concurrency, []).append(
+            f"{config} " + "/".join(f"{rnd['ttft_p50_ms']:.0f}" for rnd in run["rounds"]) + " ms")
+    for concurrency, stores in levels.items():
+        text += (f"With {concurrency} in flight (one store after the other), TTFT p50 in rounds "
+                 + "/".join(str(i) for i in range(1, len(ROUND_ORDERS) + 1)) + ": " + "; ".join(stores) + ". ")
+    return text.strip()
+
+
+def _describe_paired(result: dict) -> str:
+    rounds = result["paired"]["rounds"]
+    stores = [name for name in rounds if name not in (REFERENCE, "none")]
+    text = (f"One request at a time, round 2 TTFT p50 is {rounds[REFERENCE][1]['ttft_p50_ms']:.0f} ms on the "
+            "reference engine, whose pool holds every document (a device hit: only the prompt's tail is computed)")
+    if "none" in rounds:
+        text += (f", {rounds['none'][1]['ttft_p50_ms']:.0f} ms without offload (recomputed; "
+                 f"{rounds['none'][0]['ttft_p50_ms']:.0f} ms in round 1)")
+    text += "".join(f", {rounds[s][1]['ttft_p50_ms']:.0f} ms with {s}" for s in stores) + ". "
+    if stores:
+        device = rounds[stores[0]][2]["hits"]["device"]
+        text += (f"In reverse order (round 3) the documents served last are still on the device ({device} tokens "
+                 "from the device cache) and the others come from the store. ")
+    rows = [row for row in floor_rows(result) if row["round"] == 2]
+    if not rows:
+        return text
+    rest = {row["store"]: row["ttft_p50_ms"] - row["device_hit_p50_ms"] - row["transfer_ms"] for row in rows}
+    text += ("Where the time goes, at p50 in round 2: TTFT = the reference engine's TTFT for the same request "
+             "(the compute that is left) + moving the KV at the tier's raw bandwidth + the rest (lookup, staging "
+             "copies, handing the load to the scheduler): " + "; ".join(
+                 f"{row['store']} {row['ttft_p50_ms']:.0f} = {row['device_hit_p50_ms']:.0f} + "
+                 f"{row['transfer_ms']:.1f} + {rest[row['store']]:.0f} ms" if rest[row["store"]] >= 0 else
+                 f"{row['store']} {row['ttft_p50_ms']:.0f} ms, under the reference's {row['device_hit_p50_ms']:.0f} ms "
+                 "(timing noise larger than the load)" for row in rows) + ". ")
+    if len(rest) > 1 and min(rest.values()) > 0 and max(rest.values()) < 1.25 * min(rest.values()):
+        text += (f"The rest is about the same whichever tier served the KV ({min(rest.values()):.0f}-"
+                 f"{max(rest.values()):.0f} ms), so it is per-request work of the load path, not the tier's reads. ")
+    text += "Per request, TTFT / floor and speedup over no offload (paired medians): " + "; ".join(
+        f"{row['store']} {row['over_floor']:.1f}x and {row['speedup']:.1f}x" for row in rows) + ". "
+    met = [row["store"] for row in rows if row["over_floor"] <= FLOOR_TARGET]
+    missed = [row["store"] for row in rows if row["over_floor"] > FLOOR_TARGET]
+    text += (f"Target TTFT / floor <= {FLOOR_TARGET} in round 2: "
+             + ", ".join(f"{verb} by {', '.join(stores)}" for verb, stores in (("met", met), ("missed", missed)) if stores)
+             + ". ")
+    cpu = [row for row in rows if row["store"] == "cpu"]
+    if cpu:
+        text += (f"Target speedup >= {SPEEDUP_TARGET} for cpu in round 2: {cpu[0]['speedup']:.1f}x, "
+                 f"{'met' if cpu[0]['speedup'] >= SPEEDUP_TARGET else 'missed'}. ")
+    return text

@@ -1,12 +1,16 @@
 """PNG figures of benchmark results (matplotlib figures without pyplot: no display, no global state).
 
 A figure is a row of panels; a panel is a line chart (numeric x) or a grouped bar chart
-(categorical x) of named series.
+(categorical x) of named series. A workload draws its figure next to its JSON and
+Markdown results (`png_path`); the report draws the figure of a result that has none
+(one written before its workload had a plot) from the JSON, into docs/img/
+(`drawing_into`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from bench import common
 
 Series = dict[str, Sequence[float]]
 MAX_TICKS = 12  # more x values than this: matplotlib picks the ticks, no markers
+_redirects: list[Path] = []  # set by `drawing_into`, innermost last
 
 
 @dataclass
@@ -28,6 +33,11 @@ class Panel:
     kind: str = "line"  # "line" (numeric x) or "bar" (categorical x)
     logy: bool = False
     hlines: dict[str, float] = field(default_factory=dict)
+
+
+def columns(records: dict[str, dict], keys: dict[str, str]) -> Series:
+    """Bar series of named records (runs, modes): per label, `record[key]` of every record."""
+    return {label: [record[key] for record in records.values()] for label, key in keys.items()}
 
 
 def save_figure(path: Path, panels: Sequence[Panel], title: str) -> Path:
@@ -75,4 +85,14 @@ def _bars(ax, panel: Panel) -> None:
 
 def png_path(name: str) -> Path:
     """Where a workload's figure goes: next to its JSON and Markdown results."""
-    return common.RESULTS_DIR / f"{name}.png"
+    return (_redirects[-1] if _redirects else common.RESULTS_DIR) / f"{name}.png"
+
+
+@contextlib.contextmanager
+def drawing_into(directory: Path) -> Iterator[None]:
+    """Figures drawn inside go to `directory` instead of the results directory."""
+    _redirects.append(directory)
+    try:
+        yield
+    finally:
+        _redirects.pop()

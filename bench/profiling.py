@@ -81,3 +81,14 @@ def profile_sentence(result: dict[str, object]) -> str:
     shares = ", ".join(f"{name} {100 * ms / wall:.0f}%" for name, ms in groups)
     return (f"Where the time goes, from a torch.profiler run of {result['label']} ({result['prompt_tokens']} "
             f"prompt and {result['output_tokens']} output tokens, {wall:.0f} ms): {shares}.")
+
+
+def profile_tables(result: dict) -> str:
+    """A result's profile (under its "profile" key) as tables after the workload's own;
+    nothing when the run had none."""
+    return "\n" + render_profile(result["profile"]) if "profile" in result else ""
+
+
+def profile_note(result: dict) -> str:
+    """`profile_sentence` of a result's profile; nothing when the run had none."""
+    return profile_sentence(result["profile"]) if "profile" in result else ""

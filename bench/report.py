@@ -1,11 +1,14 @@
 """Assemble docs/BENCHMARKS.md from the result files under bench/results/.
 
-For every `NAME.json` there (ours and other issues' workloads alike): a section with the
+Every workload of `bench/cli.py` writes `NAME.json`, `NAME.md` and `NAME.png` there, NAME
+being its name in the registry. For each `NAME.json` found: a section with the
 workload's description, the command that produced it, the machine it ran on, its
 Markdown tables (`NAME.md`), its plot (`NAME.png`, copied to docs/img/) and, when the
 workload module has a `describe(result)` function, the paragraph it computes from the
-numbers. Run it with `python -m bench.report` (or `make bench`, which runs every
-workload first).
+numbers. A result written before its workload recorded its command or drew a plot gets
+the command rebuilt from the options it recorded, and its plot drawn from the JSON by
+the module's `plot(result)`. Run it with `python -m bench.report` (or `make bench`, which
+runs every workload first).
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
-from bench import common
+from bench import common, plots
 from bench.cli import WORKLOADS
 
 SECTION_ORDER = ("engine", "store", "long-doc-qa", "multi-round-qa", "rag", "agent-replay", "throughput",
@@ -30,17 +36,18 @@ Every number here comes from a result file under `bench/results/`; `make bench` 
 every registered workload and regenerates this page (`python -m bench.report`; a subset:
 `make bench BENCH_WORKLOADS="rag throughput"`). Each section gives the exact command, the
 machine, the tables the workload wrote, its plot, and a paragraph computed from its
-numbers that says what they mean and where the time goes (a torch.profiler run of the
-workload's slowest path).
+numbers that says what they mean and where the time goes (from a torch.profiler run of
+the workload's slowest path where the run made one, else from the numbers themselves).
 
 How to read them. The machine is a small CPU box shared with other jobs, so wall times
-are noisy; the workloads of this suite therefore run torch single-threaded (`--threads
-1`: two intra-op threads that spin-wait for each other on a contended core made every op
-several times slower), record the load average before and after, and also report CPU
-time, which counts the work done whatever else runs. Comparisons are made inside one
-command: the variants run on the same model in the same process, one after another
-(interleaved across repeats where a workload has `--repeats`), and percentiles pool
-every request of a variant. With tens of requests per group, a p99 is close to the
+are noisy; the workloads on the shared request driver therefore run torch
+single-threaded (`--threads 1`: two intra-op threads that spin-wait for each other on a
+contended core made every op several times slower; each section's machine line gives
+the torch threads of its run), record the load average before and after, and also
+report CPU time, which counts the work done whatever else runs. Comparisons are made
+inside one command: the variants run on the same model in the same process, one after
+another (interleaved across repeats where a workload has `--repeats`), and percentiles
+pool every request of a variant. With tens of requests per group, a p99 is close to the
 maximum. The built-in model has random weights: its text is meaningless, its cost and
 cache behaviour are those of a real 8-layer Llama (hidden 512, 2 KV heads), run in bf16.
 No GPU was available: every number is a CPU number.
@@ -56,15 +63,48 @@ class Result:
 
 
 def load_results(directory: Path) -> list[Result]:
-    """Every result in `directory`, named as its workload (`long_doc_qa.json` is `long-doc-qa`)."""
-    found = {}
-    for path in directory.glob("*.json"):
-        md, png = path.with_suffix(".md"), path.with_suffix(".png")
-        name = path.stem.replace("_", "-")
-        found[name] = Result(name, json.loads(path.read_text()),
-                             md.read_text() if md.exists() else "", png if png.exists() else None)
-    ordered = [n for n in SECTION_ORDER if n in found] + sorted(n for n in found if n not in SECTION_ORDER)
-    return [found[n] for n in ordered]
+    """The result of every registered workload found in `directory` (`NAME.json`, NAME as
+    in bench/cli.py), in section order; other JSON files are named on stderr and skipped."""
+    ordered = [n for n in SECTION_ORDER if n in WORKLOADS] + [n for n in WORKLOADS if n not in SECTION_ORDER]
+    results = []
+    for name in ordered:
+        path = directory / f"{name}.json"
+        if path.exists():
+            md, png = path.with_suffix(".md"), path.with_suffix(".png")
+            results.append(Result(name, json.loads(path.read_text()), md.read_text() if md.exists() else "",
+                                  png if png.exists() else None))
+    strays = sorted(p.name for p in directory.glob("*.json") if p.stem not in WORKLOADS)
+    if strays:
+        print(f"skipped (not named after a workload of bench/cli.py): {', '.join(strays)}", file=sys.stderr)
+    return results
+
+
+def workload_module(name: str) -> ModuleType | None:
+    return importlib.import_module(WORKLOADS[name][0]) if name in WORKLOADS else None
+
+
+def command_line(result: Result) -> tuple[str, bool]:
+    """The command that produced the result and whether it was rebuilt: as recorded, else
+    from the options the result recorded that differ from the workload's defaults."""
+    if "command" in result.data:
+        return result.data["command"], False
+    options = result.data.get("options") or result.data.get("args") or {}
+    defaults = vars(workload_module(result.name).parse_args([]))
+    argv = []
+    for key, value in options.items():
+        default = defaults.get(key)
+        if key not in defaults or value is None or _plain(value) == _plain(default):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list | tuple) else [value])]
+    return shlex.join(["kvtier", "bench", result.name, *argv]), True
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def machine_line(data: dict) -> str:
@@ -96,26 +136,41 @@ def run_line(data: dict) -> str:
 
 
 def describe(result: Result) -> str:
-    if result.name not in WORKLOADS:
-        return ""
-    module = importlib.import_module(WORKLOADS[result.name][0])
-    describer = getattr(module, "describe", None)
+    describer = getattr(workload_module(result.name), "describe", None)
     return describer(result.data) if describer else ""
+
+
+def figure(result: Result, img_dir: Path) -> Path | None:
+    """The result's plot in `img_dir`: copied from the results, or drawn from the JSON
+    by the workload's `plot(result)` when the run wrote none; None without either."""
+    target = img_dir / f"{result.name}.png"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    if result.png is not None:
+        shutil.copyfile(result.png, target)
+        return target
+    draw = getattr(workload_module(result.name), "plot", None)
+    if draw is None:
+        return None
+    with plots.drawing_into(img_dir):
+        draw(result.data)
+    return target
 
 
 def section(result: Result, out: Path, img_dir: Path) -> str:
     description = WORKLOADS.get(result.name, ("", ""))[1]
-    command = result.data.get("command", f"kvtier bench {result.name}")
+    command, rebuilt = command_line(result)
     lines = [f"## {result.name}", ""]
     if description:
         lines += [description[0].upper() + description[1:] + ".", ""]
-    lines += ["```", command, "```", "", f"Machine: {machine_line(result.data)}; {model_line(result.data)}."]
+    lines += ["```", command, "```", ""]
+    if rebuilt:
+        lines += ["(Command rebuilt from the options in the result, which predates recorded commands; options the "
+                  "workload gained since are at their defaults.)", ""]
+    lines += [f"Machine: {machine_line(result.data)}; {model_line(result.data)}."]
     lines[-1] += run_line(result.data)
     lines += ["", result.markdown.strip(), ""]
-    if result.png is not None:
-        target = img_dir / f"{result.name}.png"
-        img_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(result.png, target)
+    target = figure(result, img_dir)
+    if target is not None:
         lines += [f"![{result.name}]({os.path.relpath(target, out.parent)})", ""]
     paragraph = describe(result)
     if paragraph:

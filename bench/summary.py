@@ -5,8 +5,11 @@
 - `render_variants` / `describe_variants`: the per-variant, per-group table the cache
   workloads share with the engine and connector counters each variant moved (per-tier
   store hits among them), and the sentences comparing the variants.
-- `result_header` / `publish`: machine (CPU model, cores, GPU), versions, model, every
-  option, the command that repeats the run, when it ran and how loaded the cores were.
+- `workload_parser` / `checkpoint`: the options and the model of the workloads that
+  build their own engines.
+- `run_stamp` / `result_header` / `publish`: machine (CPU model, cores, GPU), versions,
+  model, every option, the command that repeats the run, when it ran and how loaded the
+  cores were.
 """
 
 from __future__ import annotations
@@ -158,21 +161,44 @@ def tier_hits(variant: dict) -> str:
 # ---- result header ------------------------------------------------------------------------
 
 
-def result_header(workload: str, argv: Sequence[str], args: argparse.Namespace) -> dict[str, object]:
-    """Machine, versions, model and every option of a run, and the command that repeats it."""
+def workload_parser(name: str, doc: str | None, profiled: str) -> argparse.ArgumentParser:
+    """The parser of a workload that builds its own engines, with the options they share:
+    checkpoint, dtype, seed, and --no-profile (`profiled`: what the profile run covers)."""
+    p = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Checkpoint directory (default: the built-in model).")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help=f"Skip the torch.profiler run of {profiled}.")
+    return p
+
+
+def checkpoint(args: argparse.Namespace) -> tuple[str, int]:
+    """The run's checkpoint directory (--model, else the built-in model) and its vocabulary size."""
+    path = args.model or default_model_path()
+    return path, model_info(path)["vocab_size"]
+
+
+def run_stamp(workload: str, argv: Sequence[str]) -> dict[str, object]:
+    """What every result file starts with: the workload, the command that repeats the run,
+    when it started, how loaded the cores were, the machine and versions."""
     machine = machine_info()
     machine["cpu_model"] = cpu_model()
     machine["kvtier"] = _version("kvtier")
-    model_path = args.model or default_model_path()
     return {
         "workload": workload,
         "command": shlex.join(["kvtier", "bench", workload, *argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "load_average_start": os.getloadavg(),
         "machine": machine,
-        "model": model_info(model_path),
-        "options": vars(args),
     }
+
+
+def result_header(workload: str, argv: Sequence[str], args: argparse.Namespace) -> dict[str, object]:
+    """`run_stamp`, the model's shape and every option of the run."""
+    model_path = args.model or default_model_path()
+    return {**run_stamp(workload, argv), "model": model_info(model_path), "options": vars(args)}
 
 
 def cpu_model() -> str:
