@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from bench import plots
 from bench.driver import Session, Variant, run_variants
-from bench.profiling import render_profile
+from bench.profiling import profile_tables
 from bench.summary import render_variants, result_header, variant_summaries
 
 
@@ -37,10 +37,7 @@ def measure_variants(name: str, argv: list[str], args: argparse.Namespace, varia
 
 def render_page(result: dict, intro: str, group: str) -> str:
     """A result page: `intro` (what ran), the variant x `group` table, the profile."""
-    text = intro + render_variants(result["variants"], group)
-    if "profile" in result:
-        text += "\n" + render_profile(result["profile"])
-    return text
+    return intro + render_variants(result["variants"], group) + profile_tables(result)
 
 
 def plot_by_group(name: str, result: dict, group: str, title: str, numbered: bool = True) -> None:

@@ -29,19 +29,26 @@ SIZED_WORKLOADS = {
                "--prefill-len", "32", "--decode-batches", "1", "4", "--decode-steps", "3"],
     "long-doc-qa": ["--num-docs", "4", "--doc-tokens", "320", "--question-tokens", "4", "--max-tokens", "2",
                     "--chunk-tokens", "64", "--concurrency", "1", "2", "--configs", "none", "cpu", "disk"],
-    "zero-reuse": ["--num-prompts", "2", "--prompt-len", "48", "--output-len", "4", "--concurrency", "2",
-                   "--chunk-tokens", "16", "--configs", "none", "cpu"],
+    "zero-reuse": ["--num-prompts", "3", "--prompt-len", "48", "--output-len", "4", "--concurrency", "2",
+                   "--chunk-tokens", "32", "--configs", "none", "cpu+disk", "--repeats", "2"],
+    "store": ["--chunks", "4", "--batch", "2", "--repeats", "1", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+              "--block-size", "4", "--chunk-tokens", "8", "--skip-model-kv"],
     "preemption": ["--num-prompts", "3", "--prompt-len", "32", "--output-len", "8", "--concurrency", "3",
                    "--capacity-fraction", "0.5", "--chunk-tokens", "16"],
     "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
                        "--chunk-tokens", "16"],
 }
 NEEDS_REDIS = ("cross-instance",)
+NO_MODEL = ("store",)  # measures the store alone (its --skip-model-kv skips the model's KV)
 ALL_WORKLOADS = (*SMOKE_WORKLOADS, *SIZED_WORKLOADS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def workload_argv(workload: str, model: str) -> list[str]:
+    if workload == "store" and find_redis_server() is None:
+        return [*SIZED_WORKLOADS[workload], "--tiers", "cpu", "disk"]  # the redis part needs a redis-server
+    if workload in NO_MODEL:
+        return SIZED_WORKLOADS[workload]
     if workload in SIZED_WORKLOADS:
         return [*SIZED_WORKLOADS[workload], "--model", model]
     # --threads 0: keep torch's thread count, the rest of the test session shares it
@@ -95,6 +102,60 @@ def test_long_doc_qa_result_has_paired_concurrent_and_floor_table(smoke_run) -> 
     markdown = (directory / "long-doc-qa.md").read_text()
     assert "| TTFT / floor |" in markdown
     assert "| cpu | 2 | cpu |" in markdown  # round 2 loads the evicted documents from the cpu tier
+
+
+def test_zero_reuse_pairs_interleaved_passes(smoke_run) -> None:
+    """Every pass runs every configuration on its own prompts (lengths vary, so some end in
+    a tail chunk); the store serves nothing; the ratios are per pass, and their medians."""
+    result = json.loads((smoke_run("zero-reuse") / "zero-reuse.json").read_text())
+    passes = result["passes"]
+    assert [list(p) for p in passes] == [["none", "cpu+disk"], ["cpu+disk", "none"]]  # every other pass reversed
+    assert all(run["loaded_tokens"] == 0 for p in passes for run in p.values())
+    assert sum(p["cpu+disk"]["prompts_with_tail"] for p in passes) > 0
+    assert all(p["cpu+disk"]["saved_chunks"] > 0 and p["none"]["saved_chunks"] == 0 for p in passes)
+    pair = result["paired"]["cpu+disk"]
+    assert pair["wall_ratios"] == [p["cpu+disk"]["output_tok_s"] / p["none"]["output_tok_s"] for p in passes]
+    assert pair["wall_ratio"] == pytest.approx(sum(pair["wall_ratios"]) / 2)
+    assert len(pair["cpu_ratios"]) == 2 and pair["cpu_ratio"] > 0
+    assert "Per pass:" in (smoke_run("zero-reuse") / "zero-reuse.md").read_text()
+
+
+def test_store_result_has_each_tier_and_lz4_rows(smoke_run) -> None:
+    result = json.loads((smoke_run("store") / "store.json").read_text())
+    tiers = ["cpu", "disk", "redis"] if find_redis_server() else ["cpu", "disk"]
+    assert [r["tier"] for r in result["tiers"]] == tiers
+    assert all(r["put_gbps"] > 0 and r["ref_get_gbps"] > 0 for r in result["tiers"])
+    assert {c["codec"] for c in result["compression"]} == {"lz4-plain", "lz4-planes"}
+    assert "### lz4 on KV payloads" in (smoke_run("store") / "store.md").read_text()
+
+
+# Results from before the workloads wrote through `publish` (store) or had --repeats (zero-reuse).
+OLD_FORMATS = {
+    "store": (("machine", "args", "load_average", "redis_parser", "spec", "tiers", "compression"), ("tiers",)),
+    "zero-reuse": (("machine", "args", "model", "runs"), ("repeats", "len_spread")),
+}
+OLD_RUN_KEYS = ("seconds", "output_tokens", "output_tok_s", "saved_chunks", "save_copy_s")  # zero-reuse, one pass
+
+
+@pytest.mark.parametrize("workload", OLD_FORMATS)
+def test_report_renders_an_old_result(smoke_run, tmp_path: Path, workload: str) -> None:
+    source = smoke_run(workload)
+    data = json.loads((source / f"{workload}.json").read_text())
+    data["load_average"] = data["load_average_start"]
+    keys, new_options = OLD_FORMATS[workload]
+    old = {key: data[key] for key in keys}
+    old["args"] = {k: v for k, v in old["args"].items() if k not in new_options}
+    if workload == "zero-reuse":
+        old["runs"] = {name: {k: run[k] for k in OLD_RUN_KEYS} for name, run in old["runs"].items()}
+    module = importlib.import_module(WORKLOADS[workload][0])
+    results, img, out = tmp_path / "results", tmp_path / "img", tmp_path / "BENCHMARKS.md"
+    results.mkdir()
+    (results / f"{workload}.json").write_text(json.dumps(old))
+    (results / f"{workload}.md").write_text(module.render(old) if workload == "store" else "| old |\n|---|\n")
+    assert report.main(["--results-dir", str(results), "--out", str(out), "--img-dir", str(img)]) == 0
+    text = out.read_text()
+    assert f"## {workload}" in text and "Command rebuilt" in text and "**What the numbers mean.**" in text
+    assert (img / f"{workload}.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_report_assembles_every_result(smoke_run, tmp_path: Path) -> None:
