@@ -6,8 +6,8 @@ tiles of explicit fp32 QK^T + softmax that skip the masked upper triangle. All
 single-token decodes of a step share one padded SDPA call, so a 32-request decode step
 is one call, not 32. Host-side lengths (`meta.*_cpu`) drive the loops, so nothing here
 syncs a device. The padded call reads slots past a sequence's length (stale KV of freed
-blocks, possibly NaN or inf left by a failed request) and zeroes them before use, as the
-Triton kernel's masked loads do, so they never reach an output.
+blocks); `write_kv` stores only finite values into the zero-initialised cache, so the
+length mask alone keeps them out of every output, as the Triton kernel's masked loads do.
 """
 
 from __future__ import annotations
@@ -21,13 +21,25 @@ from kernels.metadata import AttentionMetadata
 def write_kv(
     kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store key/value `[num_tokens, kv_heads, head_dim]` at their slots; slot < 0 is skipped."""
+    """Store key/value `[num_tokens, kv_heads, head_dim]` at their slots; slot < 0 is skipped.
+
+    NaN and inf are stored as 0: `_decode_batch` reads slots past each sequence's end
+    (stale KV of a block's earlier owner) and relies on every slot of the
+    zero-initialised cache being finite, since a NaN or inf there would survive the
+    length mask. A request whose own KV overflows is wrong either way; this keeps it from
+    spoiling the requests that later reuse its blocks (zeroing the padding per step
+    instead cost more than the attention itself: 17 vs 6 ms for 32 bf16 sequences of
+    1,280 tokens on one core)."""
     block_size = kv_layer.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_layer[blocks, 0, offsets] = key[valid].to(kv_layer.dtype)
-    kv_layer[blocks, 1, offsets] = value[valid].to(kv_layer.dtype)
+    kv_layer[blocks, 0, offsets] = _finite(key[valid].to(kv_layer.dtype))
+    kv_layer[blocks, 1, offsets] = _finite(value[valid].to(kv_layer.dtype))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def paged_attention(
@@ -148,10 +160,9 @@ def _decode_batch(
     k, v = _gather_context(kv_layer, tables, max_len)  # [S, KH, L, D]
     kv_heads, head_dim = k.shape[1], k.shape[3]
     q = query.index_select(0, rows).view(len(seqs), kv_heads, -1, head_dim)
+    # Past each sequence's end the gathered slots hold stale but finite KV (see
+    # write_kv), so the length mask alone keeps them out.
     mask = torch.arange(max_len, device=device) < torch.tensor(lens, device=device)[:, None]
-    padding = ~mask[:, None, :, None]  # a NaN there would survive the mask (0 * NaN)
-    k.masked_fill_(padding, 0)
-    v.masked_fill_(padding, 0)
     res = F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
     )

@@ -50,6 +50,21 @@ def test_write_kv_skips_negative_slots():
     assert torch.count_nonzero(cache).item() == (len(slots) - 1) * 2 * 2 * 64
 
 
+def test_decode_ignores_non_finite_values_written_past_a_sequence_end():
+    # A request whose KV overflowed wrote NaN/inf into a block that a decode now reads
+    # past its own end (stale slots of a reused block): write_kv keeps them finite, so
+    # the length mask keeps them out.
+    batch = make_batch([(1, 17), (1, 40), (1, 5)])
+    tables, lens = batch.meta.block_tables, batch.meta.seq_lens_cpu
+    stale = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + n % 16 for i, n in enumerate(lens)])
+    poison = torch.full((len(stale), 2, 64), float("nan"))
+    poison[0] = float("inf")
+    reference.write_kv(batch.kv_layer, poison, -poison, stale)
+    assert torch.isfinite(batch.kv_layer).all()
+    out = reference.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
+
+
 def test_write_kv_into_strided_layer_view():
     cache = torch.zeros(6, 3, 2, 4, 2, 8)
     key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
