@@ -212,9 +212,10 @@ class LLMEngine:
     def _isolate(self, out: SchedulerOutput, error: Exception) -> tuple[SampledTokens, list[Failure]]:
         """Bisect a failed step: run each half again (which rewrites whatever KV the failed
         run left) and a half that fails again recursively; a request failing on its own is
-        a culprit. The parts skip the connector: this step's loads are in the cache, its
+        a culprit, and the KV its step left is zeroed. The parts skip the connector: this step's loads are in the cache, its
         saves are dropped (they would copy the culprits' KV)."""
         if len(out.requests) == 1:
+            self.runner.clear_step_kv(out)
             return {}, [(out.requests[0], _describe(error))]
         sampled: SampledTokens = {}
         failures: list[Failure] = []

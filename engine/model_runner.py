@@ -116,6 +116,17 @@ class ModelRunner:
             sampled_requests=sampled,
         )
 
+    def clear_step_kv(self, out: SchedulerOutput) -> None:
+        """Zero, in every layer, the KV slots that `out` writes. A forward that raised may
+        have left anything there (NaN included), and the torch decode reads stale slots
+        of reused blocks past a sequence's end (kernels/reference.py). The slots lie past
+        each request's cached blocks, so no other request's KV is touched."""
+        runs = zip(out.start_positions, out.num_new_tokens, strict=True)
+        positions = torch.cat([torch.arange(start, start + n) for start, n in runs])
+        tables = _pad_block_tables(out.block_tables)
+        slots = self._slot_mapping(tables, list(out.num_new_tokens), positions).to(self.kv_cache.device)
+        self.kv_cache[slots // self.block_size, :, :, slots % self.block_size] = 0
+
     def _slot_mapping(
         self, block_tables: torch.Tensor, query_lens: list[int], positions: torch.Tensor
     ) -> torch.Tensor:

@@ -6,8 +6,9 @@ tiles of explicit fp32 QK^T + softmax that skip the masked upper triangle. All
 single-token decodes of a step share one padded SDPA call, so a 32-request decode step
 is one call, not 32. Host-side lengths (`meta.*_cpu`) drive the loops, so nothing here
 syncs a device. The padded call reads slots past a sequence's length (stale KV of freed
-blocks); `write_kv` stores only finite values into the zero-initialised cache, so the
-length mask alone keeps them out of every output, as the Triton kernel's masked loads do.
+blocks); `write_kv` stores only finite values into the zero-initialised cache (and the
+engine zeroes what a forward that raised left behind), so the length mask alone keeps
+them out of every output, as the Triton kernel's masked loads do.
 """
 
 from __future__ import annotations
