@@ -39,8 +39,9 @@ def write_kv(
     kv_layer[blocks, 1, offsets] = _finite(value[valid].to(kv_layer.dtype))
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    return x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+def _finite(copy: torch.Tensor) -> torch.Tensor:
+    """NaN and inf as 0, in place: `copy` is the fresh tensor boolean indexing made."""
+    return copy.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def paged_attention(
