@@ -2,7 +2,8 @@
 
 Loads. At admission `get_num_new_matched_tokens` looks up the request's chunks from the
 one holding its first token not on the device (full chunks, then the tail chunk of
-connectors/chunks.py when its loadable tokens end inside a chunk), and starts `store.load` of that run
+connectors/chunks.py when its loadable tokens end inside a chunk), and starts
+`store.load` of that run
 into host staging owned by a `LoadJob`. Chunks in the cpu tier are copied before `load`
 returns, so when its future is already done the answer is synchronous and exact (what
 really arrived); the job's blocks are written into the device cache by `start_load_kv`
