@@ -3,8 +3,8 @@ several engines on one store).
 
     python engine_worker.py '{"mode": "run", "model": ..., "options": {...},
                               "rounds": [[prompt, ...], ...], "max_tokens": n}'
-        serves each round as one batch; prints {"rounds": [{"outputs", "counters"}],
-        "tiers": {tier: counters}} as the last line.
+        serves each round as one batch, drains the store; prints {"rounds": [{"outputs",
+        "counters"}], "tiers": {tier: counters}} as the last line.
     python engine_worker.py '{"mode": "loop", "model": ..., "options": {...},
                               "length": n, "max_tokens": n, "seed": s}'
         serves new random prompts one by one until killed; after each one the store is
@@ -37,6 +37,7 @@ def run(spec: dict) -> dict:
             before = numeric_stats(llm.engine)
             result = drive(llm.engine, prompts, spec["max_tokens"], deadline_s=240)
             rounds.append({"outputs": result.outputs, "counters": delta(before, numeric_stats(llm.engine))})
+        store_of(llm.engine).drain(30)  # tier counters after the write-behind has tried every save
         tiers = tier_counters(llm)
     return {"rounds": rounds, "tiers": tiers}
 
