@@ -1,8 +1,9 @@
-"""kvtier's LLM engine. `from engine import LLM, SamplingParams`."""
+"""kvtier's LLM engine. `from engine import LLM, SamplingParams, Segments`."""
 
+from engine.blend.segments import Segments
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments"]
 
 
 def __getattr__(name: str):

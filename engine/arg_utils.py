@@ -38,6 +38,11 @@ _HELP = {
     "kv_secret": "Shared secret: records are authenticated with HMAC-SHA256 and foreign ones rejected.",
     "kv_save_decode": "Also save chunks completed during decoding, not only prompt chunks.",
     "kv_load_timeout": "Seconds to wait for a disk/redis load before recomputing instead.",
+    "kv_blend_recompute_ratio": "Blended (segmented) prompts: the fraction of the tokens with stored "
+    "segment KV that is recomputed in context (0: none, 1: a full prefill).",
+    "kv_blend_separator": "A string that marks segment boundaries in text prompts (system prompt, "
+    "documents, question): such prompts are blended, each document reusing its stored KV "
+    "wherever it appears. The separator is not part of the prompt.",
 }
 _SIZE_OPTIONS = {"kv_cache_memory", "kv_offload_cpu_size", "kv_offload_disk_size"}
 _CHOICES = {

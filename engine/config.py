@@ -85,6 +85,8 @@ class EngineConfig:
     kv_secret: str | None = None
     kv_save_decode: bool = False
     kv_load_timeout: float = 10.0
+    kv_blend_recompute_ratio: float = 0.15
+    kv_blend_separator: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_offload = parse_offload(self.kv_offload)
@@ -125,6 +127,10 @@ class EngineConfig:
             raise ConfigError("kv_redis_url", "the redis tier needs --kv-redis-url redis://host:port")
         if self.kv_load_timeout <= 0:
             raise ConfigError("kv_load_timeout", f"must be positive, got {self.kv_load_timeout}")
+        if not 0.0 <= self.kv_blend_recompute_ratio <= 1.0:
+            raise ConfigError("kv_blend_recompute_ratio", f"must be in [0, 1], got {self.kv_blend_recompute_ratio}")
+        if self.kv_blend_separator == "":
+            raise ConfigError("kv_blend_separator", "must not be empty")
 
     @property
     def effective_preemption_mode(self) -> str:

@@ -1,7 +1,8 @@
 """LLMEngine: tokenizes, admits and aborts requests, and runs one scheduler step at a time.
 
 With --kv-offload it also owns the KV connector and its store (engine/kv_offload.py):
-its stats, the admin operations (pin, unpin, flush) and its shutdown.
+its stats, the admin operations (pin, unpin, flush) and its shutdown. A segmented prompt
+(engine/blend) goes to the `Blender`, which hands it to the scheduler once blended.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -77,6 +79,8 @@ class LLMEngine:
         self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
+        self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
+                               self.block_hasher)
         self._tracked: dict[str, _Tracked] = {}
 
     # ---- requests -------------------------------------------------------------------------
@@ -84,12 +88,13 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | Sequence[int] | Segments,
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Tokenize and queue a request. Raises ValueError subclasses for bad input."""
+        """Tokenize and queue a request; a segmented one (`Segments`, `SegmentedTokens`, or
+        text with --kv-blend-separator) is blended. Raises ValueError subclasses for bad input."""
         if request_id in self._tracked:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         token_ids = self.encode(prompt)
@@ -99,32 +104,53 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         request = Request(
             request_id=request_id,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=list(token_ids),
             sampling_params=params,
             eos_token_ids=frozenset(self.spec.eos_token_ids),
             cache_salt=cache_salt,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
-        self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        if not (self.blender.accepts(token_ids) and self.blender.add(request, token_ids)):
+            self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
         return request
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         ids = [rid for rid in request_ids if rid in self._tracked]
+        self.blender.abort(ids)
         self.scheduler.abort_requests(ids)
         for rid in ids:
             self._forget(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.blender.has_waiting()
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(
+        self, prompt: str | Sequence[int] | Segments, separator: str | None = None
+    ) -> list[int] | SegmentedTokens:
+        """Token ids of a prompt; `SegmentedTokens` for segments, or for text that the
+        separator (`separator`, else --kv-blend-separator) splits."""
+        if isinstance(prompt, SegmentedTokens):
+            return prompt
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            segments = split_text(prompt, separator or self.config.kv_blend_separator)
+            if segments is None:
+                return self.tokenizer.encode(prompt, add_special_tokens=True)
+            prompt = segments
+        if isinstance(prompt, Segments):
+            return tokenize_segments(self.tokenizer, prompt, add_special_tokens=True)
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], separator: str | None = None) -> list[int] | SegmentedTokens:
+        """The chat template applied to `messages`, tokenized; segmented where the
+        separator (`separator`, else --kv-blend-separator) occurs in the rendered text."""
+        separator = separator or self.config.kv_blend_separator
+        if separator and any(separator in m["content"] for m in messages):
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            segments = split_text(text, separator)
+            if segments is not None:  # the template carries its own special tokens
+                return tokenize_segments(self.tokenizer, segments, add_special_tokens=False)
         encoded = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
@@ -134,14 +160,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that changed. A request
-        that makes the step raise fails alone (finish reason "error"); see `_isolate`."""
+        that makes the step raise fails alone (finish reason "error"); see `_isolate`.
+        Blended prefills run first, so their requests take part in this step."""
+        outputs = [self._make_output(self._tracked[r.request_id], "", []) for r in self.blender.step()]  # failed
         out = self.scheduler.schedule()
         if not out.requests:
             if self.scheduler.num_loading:
                 self.connector.wait_for_loads(LOAD_WAIT_S)
-            return []
+            return outputs
         sampled, failures = self._execute(out)
-        outputs = self._fail(failures)
+        outputs += self._fail(failures)
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
         for request in out.requests:
             if request.request_id not in sampled and request.request_id not in finished:
@@ -273,6 +301,7 @@ class LLMEngine:
         `kv_tiers` (see kv_store_stats) when a store is configured."""
         stats = dict(self.scheduler.stats())
         stats.update(num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size)
+        stats.update(self.blender.stats())
         stats.update(self.connector.stats())
         if self.config.kv_offload:
             stats["kv_tiers"] = self.kv_store_stats()

@@ -91,11 +91,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request, hashing its prompt blocks. Raises RequestTooLongError when it
         could never run, ValueError for an empty prompt or a duplicate id."""
-        self._validate(request)
+        self.validate(request)
         self.block_hasher.extend(request.block_hashes, request.prompt_token_ids, request.cache_salt)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose blocks, and KV of its first num_computed_tokens tokens,
+        are in place already (a blended prefill, engine/blend); it runs from there."""
+        request.status = RequestStatus.RUNNING
+        request.peak_computed_tokens = request.num_computed_tokens
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish unfinished requests from outside a step (abort, stop string, error)."""
@@ -191,7 +199,8 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise ValueError (RequestTooLongError) for a request that can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
