@@ -15,6 +15,7 @@ from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
 from engine.async_engine import EngineClosedError, EngineDeadError
+from engine.blend.segments import Segments
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, engine_error
@@ -47,18 +48,19 @@ CLIENT_CLOSED_REQUEST = 499
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
-    prompts = body.prompt
-    token_lists = await _on_engine(state, lambda e: [e.encode(p) for p in prompts], "prompt")
+    prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
+    separator = body.kv_blend_separator
+    token_lists = await _on_engine(state, lambda e: [e.encode(p, separator) for p in prompts], param)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
         max_tokens = _max_tokens(
-            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len, "prompt"
+            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len, param
         )
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs is not None)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
     fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
-    return await _run(state, raw, body, jobs, fmt, "prompt")
+    return await _run(state, raw, body, jobs, fmt, param)
 
 
 async def create_chat_completion(
@@ -66,7 +68,8 @@ async def create_chat_completion(
 ) -> Response:
     model = state.check_model(body.model)
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    token_ids = await _on_engine(state, lambda e: e.encode_chat(messages), "messages")
+    separator = body.kv_blend_separator
+    token_ids = await _on_engine(state, lambda e: e.encode_chat(messages, separator), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len, "messages")
     params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
