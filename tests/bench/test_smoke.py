@@ -38,6 +38,7 @@ SIZED_WORKLOADS = {
     "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
                        "--chunk-tokens", "16"],
     "startup": ["--smoke"],
+    "rag-blend": ["--smoke", "--threads", "0"],
 }
 NEEDS_REDIS = ("cross-instance",)
 # the store alone (its --skip-model-kv skips the model's KV); the built-in model's start-up
