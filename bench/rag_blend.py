@@ -11,9 +11,10 @@ appears.
 Quality: every query is answered greedily (--answer-len tokens) by a full prefill of
 the same tokens (an engine that never blends) and, on one engine per recompute ratio
 (--ratios, --kv-blend-recompute-ratio), blended. Per ratio: answer accuracy (the code
-appears in the answer), agreement of the greedy tokens with the full prefill's (tokens
-before the first difference; all equal), and the KL divergence of the first output
-token's distribution from the full prefill's (read from the logits the engine samples).
+appears in the answer), agreement of the greedy answer with the full prefill's (the
+share of the longer of the two before their first difference; the same answer), and
+the KL divergence of the first output token's distribution from the full prefill's
+(read from the logits the engine samples).
 
 Speed: on the same engines, --ttft-queries queries of k documents of --ttft-doc-tokens
 tokens, one request at a time: each query's documents are stored first (the query is
@@ -214,12 +215,15 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((reference.exp() * (reference - other)).sum())
 
 
-def agreement(reference: list[int], other: list[int]) -> int:
-    """Tokens before the first difference."""
-    for index, (a, b) in enumerate(zip(reference, other, strict=False)):
+def agreement(reference: list[int], other: list[int]) -> float:
+    """The fraction of the longer answer that both share before their first difference
+    (1.0: the same tokens; answers end at --answer-len or at EOS)."""
+    same = 0
+    for a, b in zip(reference, other, strict=False):
         if a != b:
-            return index
-    return min(len(reference), len(other))
+            break
+        same += 1
+    return same / max(len(reference), len(other), 1)
 
 
 def score(tokenizer, answers: list[list[int]], qa: QASet) -> list[bool]:
@@ -293,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": ratio,
             "accuracy": sum(hits) / len(hits),
             "correct": hits,
-            "agreement_tokens": agree,
+            "agreement": agree,
             "agreement_mean": statistics.fmean(agree),
-            "all_equal": sum(a == args.answer_len for a in agree) / len(agree),
+            "all_equal": sum(r == b for r, b in zip(reference, run["answers"], strict=True)) / len(agree),
             "kl": kls,
             "kl_mean": statistics.fmean(kls),
             "kl_max": max(kls),
@@ -334,11 +338,11 @@ def render(result: dict) -> str:
     rows = []
     for run in result["ratios"].values():
         rows.append([run["ratio"], f"{100 * _recompute_share(run):.0f}%", f"{100 * run['accuracy']:.0f}%",
-                     f"{run['agreement_mean']:.1f}", f"{100 * run['all_equal']:.0f}%",
+                     f"{100 * run['agreement_mean']:.0f}%", f"{100 * run['all_equal']:.0f}%",
                      f"{100 * run['top1_agreement']:.0f}%", run["kl_mean"], run["kl_max"],
                      run["ttft_blend_ms"], run["ttft_full_ms"], run["ttft_ratio"]])
-    table = markdown_table(["recompute ratio", "prompt computed", "accuracy", f"agreeing tokens (of {o['answer_len']})",
-                            "all agree", "first token agrees", "KL mean", "KL max", "TTFT blend ms",
+    table = markdown_table(["recompute ratio", "prompt computed", "accuracy", "answer shared with full prefill",
+                            "same answer", "same first token", "KL mean", "KL max", "TTFT blend ms",
                             "TTFT full ms", "TTFT blend / full"], rows)
     return intro + table + "\n" + _targets(result) + "\n" + profile_tables(result)
 
@@ -359,10 +363,9 @@ def _targets(result: dict) -> str:
 def plot(result: dict) -> None:
     runs = list(result["ratios"].values())
     x = [r["ratio"] for r in runs]
-    answer_len = result["options"]["answer_len"]
     quality = {"accuracy": [r["accuracy"] for r in runs],
-               f"greedy tokens agreeing (of {answer_len})": [r["agreement_mean"] / answer_len for r in runs],
-               "first token agrees": [r["top1_agreement"] for r in runs]}
+               "answer shared with full prefill": [r["agreement_mean"] for r in runs],
+               "same answer as full prefill": [r["all_equal"] for r in runs]}
     plots.save_figure(plots.png_path(NAME), [
         plots.Panel("Quality vs recompute ratio", "recompute ratio", "fraction", x, quality,
                     hlines={"full prefill accuracy": result["full"]["accuracy"]}),
@@ -386,7 +389,7 @@ def describe(result: dict) -> str:
             "to each prompt's order and only part of it recomputed: " + "; ".join(parts) + ". ")
     zero, one = runs.get("0.0"), runs.get("1.0")
     if one is not None:
-        text += (f"Ratio 1 recomputes every token: its answers agree with the full prefill's on "
+        text += (f"Ratio 1 recomputes every token: its answers are the full prefill's on "
                  f"{100 * one['all_equal']:.0f}% of the queries (largest first-token log-prob difference "
                  f"{one['max_logprob_diff']:.1e}), and its TTFT ({one['ttft_ratio']:.2f}x) is the cost of the "
                  "blend path over the plain one. ")
