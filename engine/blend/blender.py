@@ -153,6 +153,7 @@ class Blender:
                     break
             except Exception as exc:  # one bad request must not take the engine down
                 logger.exception("blended prefill of %s failed", request_id)
+                self.kv.free(waiting.request)
                 self._finish_failed(waiting.request, f"{type(exc).__name__}: {exc}")
                 failed.append(waiting.request)
             del self.waiting[request_id]
@@ -199,8 +200,8 @@ class Blender:
 
     def _blend(self, request: Request, start: int, end: int, sources: ReuseSources) -> list[int]:
         """Compute positions start .. end-1 into the request's blocks; the region rows
-        computed in context. On failure its blocks are zeroed and freed before the
-        error goes up."""
+        computed in context. On failure the region's slots are zeroed (a forward that
+        raised may have left anything there) before the error goes up."""
         if end <= start:
             return []
         device = self.kv_cache.device
@@ -222,7 +223,6 @@ class Blender:
         except Exception:
             dest = plan.dest_slots
             self.kv_cache[dest // self.block_size, :, :, dest % self.block_size] = 0
-            self.kv.free(request)
             raise
         return result.rows.tolist()
 
