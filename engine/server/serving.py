@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
@@ -28,6 +28,7 @@ from engine.server.responses import (
     error_event,
     finish_reason,
     generation_error,
+    json_response,
     sse,
     usage_of,
 )
@@ -101,7 +102,7 @@ async def _run(
     for output in outputs:
         if (error := generation_error(output)) is not None:
             raise error
-    return JSONResponse(fmt.response(outputs).model_dump())
+    return json_response(fmt.response(outputs))
 
 
 async def _complete(group: RequestGroup) -> list[RequestOutput]:
