@@ -1,6 +1,6 @@
-"""Engine faults: a request that makes the model raise fails alone (an error finish in
-the engine, a 500 from the server) while the requests batched with it finish with the
-cold run's output; nothing it computed reaches the prefix cache or the store; abort
+"""Engine faults: a request that makes the model raise, or that gets NaN logits, fails
+alone (an error finish in the engine, a 500 from the server) while the requests batched
+with it finish with the cold run's output; nothing it computed reaches the prefix cache or the store; abort
 storms leave no block held; a request the pool can never hold gets a clear 400."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from conftest import ADMIN_TOKEN
 from reliability_support import (
     ENGINE,
     GARBAGE,
+    NAN_TOKEN,
     POISON_AT,
     POISON_TOKEN,
     STORE_ONLY,
@@ -43,21 +44,28 @@ STORM_CLIENTS = 48
 STORM_ROUNDS = 2
 
 
-def poisoned_prompt(seed: int, length: int = 80) -> list[int]:
+def poisoned_prompt(seed: int, length: int = 80, token: int = POISON_TOKEN) -> list[int]:
     prompt = random_prompts(1, length, seed)[0]
-    prompt[POISON_AT] = POISON_TOKEN
+    prompt[POISON_AT] = token
     return prompt
 
 
-@pytest.mark.parametrize(("garbage", "left_behind"), [(GARBAGE, "wrong KV"), (float("nan"), "NaN KV")])
-def test_a_request_that_raises_in_the_model_fails_alone(
-    garbage: float, left_behind: str, model_path: str, cold: ColdOracle, scorecard: Scorecard
-):
+# (what the culprit holds, what the model leaves in its KV, scenario name, its error)
+CULPRITS = {
+    "wrong KV": (POISON_TOKEN, GARBAGE, "request raising in the model, leaving wrong KV", "poisoned"),
+    "NaN KV": (POISON_TOKEN, float("nan"), "request raising in the model, leaving NaN KV", "poisoned"),
+    "NaN logits": (NAN_TOKEN, GARBAGE, "request with NaN logits", "NaN or infinite logits"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CULPRITS))
+def test_a_failing_request_fails_alone(kind: str, model_path: str, cold: ColdOracle, scorecard: Scorecard):
     """The culprit comes first in its batch, so its blocks are freed first and reused
     first; the requests after it have different lengths, so their batched decodes read
     padding slots of those blocks."""
+    token, garbage, scenario, error = CULPRITS[kind]
     prompts = [random_prompts(1, n, seed=n)[0] for n in (50, 60, 70, 80, 90)]
-    culprit = poisoned_prompt(seed=32)
+    culprit = poisoned_prompt(seed=32, token=token)
     follow_up = culprit[:POISON_AT] + random_prompts(1, 40, seed=33)[0]  # shares its first chunk
     with LLM(model=model_path, **{**ENGINE, "num_kv_blocks": 40}, kv_offload="cpu") as llm:
         poison(llm.engine, garbage)
@@ -70,16 +78,17 @@ def test_a_request_that_raises_in_the_model_fails_alone(
     wrong = wrong_outputs(run.outputs[1:], want)
     wrong += wrong_outputs(after.outputs, cold(model_path, [follow_up], MAX_TOKENS) + want)
     scorecard.add(
-        "engine", f"request raising in the model, leaving {left_behind} (engine)",
+        "engine", f"{scenario} (engine)",
         requests=len(run.ids) + len(after.ids), wrong_outputs=wrong,
         culprit_finish=str(run.finish[culprit_id]),
         batch_mates_finished=sum(run.finish[i] == "length" for i in run.ids[1:]),
         culprit_chunks_stored=stored_culprit_chunks, blocks_in_use_after=usage,
     )
-    assert run.finish[culprit_id] == "error" and "poisoned" in run.errors[culprit_id]
+    assert run.finish[culprit_id] == "error" and error in run.errors[culprit_id]
     assert all(run.finish[i] == "length" and run.errors[i] is None for i in run.ids[1:])
-    assert wrong == 0
-    assert stored_culprit_chunks == 0 and usage == 0
+    assert wrong == 0 and usage == 0
+    if kind != "NaN logits":  # NaN logits come after the step's saves, of the culprit's real KV
+        assert stored_culprit_chunks == 0
 
 
 def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracle, tmp_path: Path,
@@ -126,18 +135,22 @@ async def _mixed_load(
         return await asyncio.gather(*normal), bad_plain, bad_stream, still_running
 
 
+@pytest.mark.parametrize(("token", "scenario"), [
+    (POISON_TOKEN, "request raising in the model (server)"), (NAN_TOKEN, "request with NaN logits (server)"),
+])
 def test_failing_request_gets_500_and_the_batch_completes(
-    fault_server: FaultServer, model_path: str, cold: ColdOracle, scorecard: Scorecard
+    token: int, scenario: str, fault_server: FaultServer, model_path: str, cold: ColdOracle,
+    scorecard: Scorecard,
 ):
     prompts = random_prompts(6, 60, seed=34)
-    culprit = poisoned_prompt(seed=35)
+    culprit = poisoned_prompt(seed=35, token=token)
     normal, bad_plain, bad_stream, overlapping = asyncio.run(_mixed_load(fault_server.url, prompts, culprit))
     want = cold.texts(model_path, prompts, NORMAL_TOKENS)
     wrong = sum(n.text != w or n.finish_reason != "length" or n.error is not None
                 for n, w in zip(normal, want, strict=True))
     idle_s = wait_idle(fault_server.url, ADMIN_TOKEN)
     scorecard.add(
-        "engine", "request raising in the model (server)", requests=len(prompts) + 2, wrong_outputs=wrong,
+        "engine", scenario, requests=len(prompts) + 2, wrong_outputs=wrong,
         culprit_status=bad_plain.status, culprit_stream_error=str((bad_stream.error or {}).get("code")),
         streams_running_when_it_failed=overlapping, seconds_until_idle=idle_s,
     )
