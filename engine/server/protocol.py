@@ -73,6 +73,15 @@ def parse_prompt(value: Any) -> Prompts:
     )
 
 
+def parse_prefix(value: Any) -> str | list[int] | None:
+    """A prefix to pin: a string or a list of non-negative token ids."""
+    if value is None or isinstance(value, str):
+        return value if value is None else check_unicode(value)
+    if _is_token_list(value):
+        return value
+    raise ValueError("must be a string or a list of non-negative token ids")
+
+
 def parse_stop(value: Any) -> list[str]:
     if value is None:
         return []
@@ -324,7 +333,7 @@ class PinRequest(_Strict):
     """A prefix to pin or unpin: a prompt (text or token ids) or a chat message list."""
 
     model: Text | None = None
-    prompt: Text | list[Annotated[int, Field(ge=0)]] | None = None
+    prompt: Annotated[str | list[int] | None, BeforeValidator(parse_prefix)] = None
     messages: list[ChatMessage] | None = None
     ttl: float | None = Field(3600.0, gt=0.0, le=MAX_PIN_TTL_S)  # seconds; null: until unpinned
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)

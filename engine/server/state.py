@@ -30,6 +30,7 @@ class ServerState:
     model_names: tuple[str, ...]
     model_root: str
     max_model_len: int
+    vocab_size: int
     kv_offload: tuple[str, ...]
     token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
@@ -71,6 +72,7 @@ def create_state(
         model_names=model_names,
         model_root=engine.model_path,
         max_model_len=engine.config.max_model_len,
+        vocab_size=engine.spec.vocab_size,
         kv_offload=engine.config.kv_offload,
         token_text=token_text,
     )

@@ -206,6 +206,13 @@ def test_store_operations_answer_501_without_a_store(model_path):
     ("/kv/pin", {"prompt": "x", "ttl": -1}, "ttl"),
     ("/kv/flush", {"tiers": ["tape"]}, "tiers.0"),
     ("/kv/flush", {"tiers": ["disk"]}, "tiers"),
+    # token ids outside the vocabulary: 2**32 and beyond do not fit the hash's uint32
+    ("/kv/pin", {"prompt": [5, 2**32]}, "prompt"),
+    ("/kv/unpin", {"prompt": [5, 2**32]}, "prompt"),
+    ("/kv/pin", {"prompt": [5, 2**64]}, "prompt"),
+    ("/kv/pin", {"prompt": [5, 10**6]}, "prompt"),
+    ("/kv/unpin", {"prompt": [-1]}, "prompt"),
+    ("/kv/pin", {"prompt": [1, True]}, "prompt"),
 ])
 def test_admin_validates_bodies_after_authentication(http, path, body, param):
     response = http.post(path, headers=AUTH, json=body)
