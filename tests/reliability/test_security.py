@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from conftest import ADMIN_TOKEN
+from prometheus_client.parser import text_string_to_metric_families
 from reliability_support import (
     CHUNK,
     ENGINE,
@@ -37,6 +38,7 @@ from scorecard import Scorecard
 
 from bench.redis_server import RedisServer
 from engine import LLM
+from engine.server.metrics import ServerMetrics
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
 
@@ -119,6 +121,17 @@ def forge_disk(root: Path, codec: RecordCodec) -> int:
     return len(files)
 
 
+def rejections_in_metrics(llm: LLM, tier_name: str) -> dict[str, float]:
+    """`kvtier:store_rejected_records` of one tier by reason, as /metrics renders it from
+    the engine's stats."""
+    metrics = ServerMetrics("tiny", llm.engine.config.kv_offload)
+    metrics.watch(llm.engine.stats)
+    text = metrics.render()[0].decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "kvtier:store_rejected_records")
+    return {s.labels["reason"]: s.value for s in family.samples
+            if s.name.endswith("_total") and s.labels["tier"] == tier_name}
+
+
 @pytest.mark.parametrize("tiers", ["disk", "redis"])
 def test_forged_records_and_raw_sets_are_rejected(
     tiers: str, model_path: str, cold: ColdOracle, redis_factory: Callable[[], RedisServer],
@@ -133,15 +146,20 @@ def test_forged_records_and_raw_sets_are_rejected(
     with LLM(model=model_path, **options) as llm:
         run, moved = round_counters(llm, PROMPTS)
         stats = tier(llm.engine, tiers)
+        exported = rejections_in_metrics(llm, tiers)
     wrong = wrong_outputs(run.outputs, cold(model_path, PROMPTS, MAX_TOKENS))
     scorecard.add(
         "security", f"forged records and raw writes ({tiers})", requests=len(PROMPTS), wrong_outputs=wrong,
         forged_records=forged, rejected=rejected(stats), auth_failures=stats["auth_failures"],
         checksum_failures=stats["checksum_failures"], other_rejections=stats["rejected_records"],
         loaded_tokens=moved["kv_loaded_tokens"],
+        **{f"metrics rejected_records{{reason={r}}}": n for r, n in exported.items()},
     )
     assert forged == CHUNKS and wrong == 0 and moved["kv_loaded_tokens"] == 0
     assert rejected(stats) == forged and stats["auth_failures"] >= forged // 2
+    assert exported == {"checksum": stats["checksum_failures"], "hmac": stats["auth_failures"],
+                        "identity": stats["rejected_records"]}
+    assert exported["identity"] > 0  # the moved records
 
 
 def salt_options(tiers: str, tmp_path: Path, redis_factory: Callable[[], RedisServer]) -> dict:

@@ -38,6 +38,7 @@ KVTIER_TIER_METRICS = {
     "kvtier:store_evictions": "counter",
     "kvtier:store_errors": "counter",
     "kvtier:store_checksum_failures": "counter",
+    "kvtier:store_rejected_records": "counter",
     "kvtier:store_usage_bytes": "gauge",
     "kvtier:store_capacity_bytes": "gauge",
     "kvtier:store_healthy": "gauge",
@@ -87,6 +88,8 @@ def test_metrics_parse_with_vllm_and_kvtier_names(http):
     for name in KVTIER_TIER_METRICS:
         tiers = {s.labels["tier"] for s in families[name].samples}
         assert tiers == {"cpu"}, name
+    reasons = {s.labels["reason"] for s in families["kvtier:store_rejected_records"].samples}
+    assert reasons == {"checksum", "hmac", "identity"}
 
 
 def test_counters_and_histograms_move_with_a_request(http):
