@@ -38,7 +38,9 @@ def _state(request: Request) -> ServerState:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await create_completion(_state(request), body, request)
+    state = _state(request)
+    state.check_prompt_count(len(body.prompt))  # before any prompt is tokenized
+    return await create_completion(state, body, request)
 
 
 @router.post("/v1/chat/completions")
@@ -137,7 +139,8 @@ def startup_summary(engine: LLMEngine, settings: ServerSettings, names: tuple[st
         f"  KV pool  {engine.num_kv_blocks} blocks x {config.block_size} tokens = {pool_tokens} tokens "
         f"({format_bytes(engine.num_kv_blocks * engine.block_bytes)}), max model len {config.max_model_len}",
         f"  offload  {_offload_summary(config)}",
-        f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests",
+        f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests, "
+        f"{settings.prompt_limit(config.max_num_seqs)} prompts per request at most",
         f"  admin    {'/kv/ (bearer token)' if settings.enable_kv_admin else 'off'}",
         f"  URL      {url}",
     ]

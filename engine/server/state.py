@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from engine.async_engine import AsyncEngine
 from engine.server.cli_args import ServerSettings
-from engine.server.errors import model_not_found
+from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class ServerState:
     model_root: str
     max_model_len: int
     vocab_size: int
+    max_prompts_per_request: int  # --max-prompts-per-request, at most what the queue holds
     kv_offload: tuple[str, ...]
     token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
@@ -46,6 +47,11 @@ class ServerState:
             return self.model_name
         raise model_not_found(requested)
 
+    def check_prompt_count(self, count: int) -> None:
+        """Refuse a completion with more prompts than one request may hold."""
+        if count > self.max_prompts_per_request:
+            raise too_many_prompts(count, self.max_prompts_per_request)
+
 
 def default_model_names(model_flag: str | None) -> tuple[str, ...]:
     """What clients call the model when --served-model-name is not given."""
@@ -60,9 +66,7 @@ def create_state(
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
     token_text = _token_text_function(engine.config.tokenizer or engine.model_path)
     async_engine = AsyncEngine(
-        engine,
-        max_pending_requests=engine.config.max_num_seqs + settings.max_waiting_requests,
-        observer=metrics.requests,
+        engine, max_pending_requests=settings.queue_size(engine.config.max_num_seqs), observer=metrics.requests
     )
     metrics.watch(lambda: async_engine.stats)
     return ServerState(
@@ -73,6 +77,7 @@ def create_state(
         model_root=engine.model_path,
         max_model_len=engine.config.max_model_len,
         vocab_size=engine.spec.vocab_size,
+        max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
         token_text=token_text,
     )

@@ -50,6 +50,7 @@ CASES = [
     (COMPLETIONS, {**OK_PROMPT, "prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {**OK_PROMPT, "max_tokens": MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {**OK_CHAT, "max_tokens": 10**9}, 400, "messages", "context_length_exceeded"),
+    (COMPLETIONS, {**OK_PROMPT, "prompt": ["x"] * 65}, 400, "prompt", "too_many_prompts"),
     # lone UTF-16 surrogates: valid JSON, not valid Unicode (no tokenizer takes them)
     (COMPLETIONS, {**OK_PROMPT, "prompt": "\ud800"}, 400, "prompt", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "prompt": ["fine", "x\udfff"]}, 400, "prompt", "invalid_value"),
