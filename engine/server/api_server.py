@@ -21,7 +21,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.server import admin
 from engine.server.cli_args import ServerSettings, settings_from_args
 from engine.server.errors import APIError, install_error_handlers
-from engine.server.middleware import BodySizeLimitMiddleware
+from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.serving import create_chat_completion, create_completion
 from engine.server.state import ServerState, create_state, default_model_names
@@ -85,7 +85,12 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(router)
     if state.settings.enable_kv_admin:
         app.include_router(admin.router)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_request_bytes)
+    settings = state.settings
+    app.add_middleware(
+        BodyLimitsMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_read_timeout,
+        max_reads_per_client=settings.max_body_reads_per_client, retry_after_s=settings.retry_after,
+        on_refusal=state.metrics.count_rejection,
+    )
     return app
 
 

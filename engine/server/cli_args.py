@@ -23,6 +23,8 @@ class ServerSettings:
     max_waiting_requests: int = 256
     max_prompts_per_request: int = 64
     max_request_bytes: int = 8 * 1024**2
+    body_read_timeout: float = 30.0
+    max_body_reads_per_client: int = 16
     retry_after: int = 1
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -52,6 +54,10 @@ class ServerSettings:
             raise ConfigError("max_prompts_per_request", f"must be >= 1, got {self.max_prompts_per_request}")
         if self.max_request_bytes < 1024:
             raise ConfigError("max_request_bytes", f"must be at least 1KiB, got {self.max_request_bytes}")
+        if not self.body_read_timeout > 0:
+            raise ConfigError("body_read_timeout", f"must be > 0, got {self.body_read_timeout}")
+        if self.max_body_reads_per_client < 1:
+            raise ConfigError("max_body_reads_per_client", f"must be >= 1, got {self.max_body_reads_per_client}")
         if self.retry_after < 0:
             raise ConfigError("retry_after", f"must be >= 0, got {self.retry_after}")
         if self.shutdown_timeout < 0:
@@ -95,6 +101,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=_size, default=defaults.max_request_bytes,
                        metavar="SIZE",
                        help="Largest request body, e.g. 8MiB; larger ones get 413 (default: 8MiB).")
+    group.add_argument("--body-read-timeout", type=float, default=defaults.body_read_timeout,
+                       metavar="SECONDS",
+                       help="A request body must have fully arrived this long after the request "
+                       "head, or the server answers 408 and closes the connection "
+                       "(default: %(default)s).")
+    group.add_argument("--max-body-reads-per-client", type=int, default=defaults.max_body_reads_per_client,
+                       metavar="N",
+                       help="Request bodies one client address may be sending at once; one more gets "
+                       "503 with Retry-After (bodies sent at network speed never wait, so only "
+                       "slow senders count) (default: %(default)s).")
     group.add_argument("--retry-after", type=int, default=defaults.retry_after, metavar="SECONDS",
                        help="Retry-After of 503 answers when the queue is full (default: %(default)s).")
     group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
@@ -116,6 +132,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_waiting_requests=args.max_waiting_requests,
         max_prompts_per_request=args.max_prompts_per_request,
         max_request_bytes=args.max_request_bytes,
+        body_read_timeout=args.body_read_timeout,
+        max_body_reads_per_client=args.max_body_reads_per_client,
         retry_after=args.retry_after,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import ADMIN_TOKEN
+from conftest import ADMIN_TOKEN, BODY_READ_TIMEOUT_S, BODY_READS_PER_CLIENT
 from prometheus_client.parser import text_string_to_metric_families
 from reliability_support import (
     CHUNK,
@@ -41,6 +43,7 @@ from engine import LLM
 from engine.server.metrics import ServerMetrics
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
+from tests.server.server_helpers import RawConnection
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -282,3 +285,50 @@ def test_oversized_bodies_and_absurd_requests_are_refused(fault_server: FaultSer
     assert all(400 <= status < 500 for status in statuses.values()), statuses
     assert statuses["300 KiB body"] == statuses["300 KiB body, chunked"] == 413
     assert healthy == 200
+
+
+SLOW_SOCKETS = 40
+
+
+def _answer(connection: RawConnection, started: float) -> tuple[int, float, bool]:
+    """The status a stalled upload got, when (seconds after `started`), and whether the
+    server then closed the connection."""
+    try:
+        status, _ = connection.response()
+    except ConnectionError:
+        status = 0
+    return status, time.monotonic() - started, connection.closed_by_server(5.0)
+
+
+def test_slow_request_bodies_are_cut_off_and_capped_per_client(fault_server: FaultServer,
+                                                               scorecard: Scorecard):
+    """40 sockets announce 1,000 bytes and send 10 (before: all held for more than 70 s)."""
+    connections = [RawConnection(fault_server.url) for _ in range(SLOW_SOCKETS)]
+    started = time.monotonic()
+    for connection in connections:
+        connection.request("/v1/completions", b'{"prompt":', content_length=1000)
+    other_client = httpx.Client(base_url=fault_server.url, timeout=30,
+                                transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    with ThreadPoolExecutor(SLOW_SOCKETS) as pool, other_client:
+        answers = list(pool.map(lambda c: _answer(c, started), connections))
+        meanwhile = other_client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                                                               "max_tokens": 1}).status_code
+    for connection in connections:
+        connection.close()
+    with httpx.Client(base_url=fault_server.url, timeout=30) as http:
+        after = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1})
+    statuses = [status for status, _, _ in answers]
+    timed_out = [s for s, _, _ in answers if s == 408]
+    held_s = max(seconds for _, seconds, _ in answers)
+    scorecard.add(
+        "security", "slow request bodies (40 sockets, 10 of 1,000 bytes)", requests=SLOW_SOCKETS + 2,
+        wrong_outputs=0, recovery_s=held_s, refused_at_once_503=statuses.count(503),
+        timed_out_408=len(timed_out), connections_closed=sum(closed for _, _, closed in answers),
+        body_read_timeout_s=BODY_READ_TIMEOUT_S, longest_hold_s=held_s,
+        status_of_another_client_meanwhile=meanwhile, status_after=after.status_code,
+    )
+    assert statuses.count(503) == SLOW_SOCKETS - BODY_READS_PER_CLIENT
+    assert len(timed_out) == BODY_READS_PER_CLIENT
+    assert all(closed for _, _, closed in answers)
+    assert held_s < BODY_READ_TIMEOUT_S + 2
+    assert meanwhile == 200 and after.status_code == 200
