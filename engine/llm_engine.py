@@ -22,6 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
+from engine.kv_security import warn_if_shared_without_secret
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
 from engine.models import ModelSpec, load_model, resolve_dtype
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -76,6 +77,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
         self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
+        warn_if_shared_without_secret(self.config)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self._tracked: dict[str, _Tracked] = {}

@@ -77,14 +77,22 @@ def test_records_of_another_secret_are_rejected_in_disk_and_redis(
     with LLM(model=model_path, **options, kv_secret=OTHER_SECRET) as llm:
         run, moved = round_counters(llm, PROMPTS)
         disk, redis = tier(llm.engine, "disk"), tier(llm.engine, "redis")
-    wrong = wrong_outputs(run.outputs, cold(model_path, PROMPTS, MAX_TOKENS))
+    # The other instance rewrote every record with its secret; the right one, read from a
+    # file, loads them again once this instance wrote them back.
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(OTHER_SECRET + "\n")
+    with LLM(model=model_path, **options, kv_secret_file=str(secret_file)) as llm:
+        again, from_file = round_counters(llm, PROMPTS)
+    want = cold(model_path, PROMPTS, MAX_TOKENS)
+    wrong = wrong_outputs(run.outputs, want) + wrong_outputs(again.outputs, want)
     scorecard.add(
-        "security", "records of another --kv-secret", requests=len(PROMPTS), wrong_outputs=wrong,
-        loaded_tokens=moved["kv_loaded_tokens"], disk_auth_failures=disk["auth_failures"],
-        redis_auth_failures=redis["auth_failures"],
+        "security", "records of another --kv-secret", requests=2 * len(PROMPTS), wrong_outputs=wrong,
+        faults=2 * CHUNKS, loaded_tokens=moved["kv_loaded_tokens"], disk_auth_failures=disk["auth_failures"],
+        redis_auth_failures=redis["auth_failures"], loaded_tokens_with_the_secret_from_a_file=from_file["kv_loaded_tokens"],
     )
     assert wrong == 0 and moved["kv_loaded_tokens"] == 0
     assert disk["auth_failures"] == redis["auth_failures"] == CHUNKS
+    assert from_file["kv_loaded_tokens"] == LOADABLE
 
 
 def forgeries(codec: RecordCodec, keys: list[str], genuine: list[bytes]) -> list[bytes]:
