@@ -8,9 +8,8 @@ a shared one should not run that way by accident. Shared means: a Redis tier wit
 that is not on loopback, or a disk directory that another running process also uses, or
 that other users may write to.
 
-Processes find each other through a lock file in the disk directory: each holds a shared
-`flock` on it for its lifetime, and one that cannot take it exclusively for a moment is
-not alone.
+Processes find each other through the disk directory itself: each holds a shared `flock`
+on it for its lifetime, and one that cannot take it exclusively for a moment is not alone.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from tiers.redis_url import parse_redis_url
 
 logger = logging.getLogger(__name__)
 
-USERS_LOCK = ".kvtier-processes.lock"
 _held: dict[str, int] = {}  # disk directory (real path) -> fd of our shared lock on it
 
 
@@ -86,8 +84,8 @@ def _other_process_uses(directory: Path) -> bool:
     fd = _held.get(key)
     if fd is None:
         try:
-            fd = os.open(directory / USERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # a read-only directory: nothing to learn, nothing to leave
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
             return False
         _held[key] = fd
     try:
