@@ -11,7 +11,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.server.errors import SERVER_ERROR, APIError
 
-CLOSE = {"Connection": "close"}  # the unread rest of a refused body cannot be skipped
+CLOSE = {"Connection": "close"}
+# A body still arriving this long after its request head counts as slow. A client that
+# sends at network speed is done well before, even when the event loop is busy (the head
+# and the body often come in separate segments: bodies are "in flight" for a moment).
+SLOW_AFTER_S = 1.0
 
 
 class BodyLimitsMiddleware:
@@ -21,13 +25,15 @@ class BodyLimitsMiddleware:
       counting: 413;
     - it has not fully arrived `timeout_s` seconds after the request head: 408, so a
       client that announces a body and stalls holds its connection that long at most;
-    - its client address already has `max_reads_per_client` bodies on the way: 503 with
-      Retry-After at once, so one host cannot hold many connections open that way.
-      A body sent at network speed is read within one event-loop turn, so only slow
-      senders ever count against this.
+    - it is slow (still arriving SLOW_AFTER_S after the head) while its client address
+      already has `max_reads_per_client` slow bodies on the way: 503 with Retry-After,
+      so one host cannot hold many connections open that way. Bodies sent at network
+      speed never count.
 
-    The refusals close the connection and are counted with `on_refusal(reason)`. An
-    accepted body is buffered (at most `max_bytes`) and replayed to the app."""
+    The 408 and 503 close the connection (a stalled body is never drained); after a 413
+    the server reads and drops the rest of the body, so the client sees the answer
+    instead of a reset. Every refusal is counted with `on_refusal(reason)`. An accepted
+    body is buffered (at most `max_bytes`) and replayed to the app."""
 
     def __init__(
         self,
@@ -44,7 +50,7 @@ class BodyLimitsMiddleware:
         self.max_reads_per_client = max_reads_per_client
         self.retry_after_s = retry_after_s
         self.on_refusal = on_refusal
-        self._reading: Counter[str] = Counter()  # client host -> bodies being read
+        self._slow: Counter[str] = Counter()  # client host -> slow bodies being read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,27 +60,11 @@ class BodyLimitsMiddleware:
             await self._refuse(self._too_large(), "body_too_large", scope, receive, send)
             return
         client = scope["client"][0] if scope.get("client") else ""
-        if self._reading[client] >= self.max_reads_per_client:
-            error = APIError(
-                503, f"This client is already sending {self._reading[client]} request bodies; "
-                "retry once they have arrived.", type=SERVER_ERROR, code="too_many_uploads",
-                headers={**CLOSE, "Retry-After": str(self.retry_after_s)},
-            )
-            await self._refuse(error, "too_many_uploads", scope, receive, send)
-            return
-        self._reading[client] += 1
         try:
-            async with asyncio.timeout(self.timeout_s):
-                body = await self._read_body(receive)
-        except TimeoutError:
-            error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
-                             code="request_timeout", headers=CLOSE)
-            await self._refuse(error, "body_timeout", scope, receive, send)
+            body = await self._read_in_time(client, receive)
+        except _Refused as refused:
+            await self._refuse(refused.error, refused.reason, scope, receive, send)
             return
-        finally:
-            self._reading[client] -= 1
-            if not self._reading[client]:
-                del self._reading[client]
         if body is None:
             await self._refuse(self._too_large(), "body_too_large", scope, receive, send)
             return
@@ -89,6 +79,35 @@ class BodyLimitsMiddleware:
                 except ValueError:
                     return 0
         return 0
+
+    async def _read_in_time(self, client: str, receive: Receive) -> list[Message] | None:
+        """The body, read within the time limit and the per-client limit on slow bodies."""
+        reading = asyncio.ensure_future(self._read_body(receive))
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(reading), min(SLOW_AFTER_S, self.timeout_s))
+            except TimeoutError:
+                pass
+            if self._slow[client] >= self.max_reads_per_client:
+                raise _Refused("too_many_uploads", APIError(
+                    503, f"This client is already sending {self._slow[client]} request bodies slowly; "
+                    "retry once they have arrived.", type=SERVER_ERROR, code="too_many_uploads",
+                    headers={**CLOSE, "Retry-After": str(self.retry_after_s)},
+                ))
+            self._slow[client] += 1
+            try:
+                return await asyncio.wait_for(reading, max(self.timeout_s - SLOW_AFTER_S, 0))
+            except TimeoutError:
+                raise _Refused("body_timeout", APIError(
+                    408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                    code="request_timeout", headers=CLOSE,
+                )) from None
+            finally:
+                self._slow[client] -= 1
+                if not self._slow[client]:
+                    del self._slow[client]
+        finally:
+            reading.cancel()  # no-op once it is done
 
     async def _read_body(self, receive: Receive) -> list[Message] | None:
         """The body messages, or None past the limit (or if the client left)."""
@@ -107,12 +126,19 @@ class BodyLimitsMiddleware:
     def _too_large(self) -> APIError:
         return APIError(
             413, f"The request body is larger than the server's limit of {self.max_bytes} bytes.",
-            code="request_too_large", headers=CLOSE,
+            code="request_too_large",
         )
 
     async def _refuse(self, error: APIError, reason: str, scope: Scope, receive: Receive, send: Send) -> None:
         self.on_refusal(reason)
         await error.to_response()(scope, receive, send)
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, error: APIError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -159,6 +159,12 @@ def tier(engine: LLMEngine, name: str) -> dict[str, Any]:
     return engine.kv_store_stats()[name]
 
 
+def held_blocks(engine: LLMEngine) -> int:
+    """Device blocks held by requests (none once the engine is idle)."""
+    stats = engine.stats()
+    return round(stats["kv_cache_usage_perc"] * stats["num_kv_blocks"])
+
+
 def numeric_stats(engine: LLMEngine) -> dict[str, float]:
     return {k: v for k, v in engine.stats().items() if isinstance(v, int | float)}
 

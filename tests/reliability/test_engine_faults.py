@@ -24,6 +24,7 @@ from reliability_support import (
     chunk_keys,
     drive,
     greedy,
+    held_blocks,
     missing_chunks,
     poison,
     random_prompts,
@@ -32,7 +33,7 @@ from reliability_support import (
     wrong_outputs,
 )
 from scorecard import Scorecard
-from sse_client import Completion, complete, kv_stats, stream, wait_idle
+from sse_client import Completion, complete, kv_stats, server_held_blocks, stream, wait_idle
 
 from engine import LLM
 
@@ -73,20 +74,20 @@ def test_a_failing_request_fails_alone(kind: str, model_path: str, cold: ColdOra
         culprit_id = run.ids[0]
         stored_culprit_chunks = len(chunk_keys(llm.engine, culprit)) - missing_chunks(llm.engine, culprit)
         after = drive(llm.engine, [follow_up, *prompts], MAX_TOKENS)
-        usage = llm.engine.stats()["kv_cache_usage_perc"]
+        leaked = held_blocks(llm.engine)
     want = cold(model_path, prompts, MAX_TOKENS)
     wrong = wrong_outputs(run.outputs[1:], want)
     wrong += wrong_outputs(after.outputs, cold(model_path, [follow_up], MAX_TOKENS) + want)
     scorecard.add(
         "engine", f"{scenario} (engine)",
-        requests=len(run.ids) + len(after.ids), wrong_outputs=wrong,
+        requests=len(run.ids) + len(after.ids), wrong_outputs=wrong, faults=1, leaked_blocks=leaked,
         culprit_finish=str(run.finish[culprit_id]),
         batch_mates_finished=sum(run.finish[i] == "length" for i in run.ids[1:]),
-        culprit_chunks_stored=stored_culprit_chunks, blocks_in_use_after=usage,
+        culprit_chunks_stored=stored_culprit_chunks,
     )
     assert run.finish[culprit_id] == "error" and error in run.errors[culprit_id]
     assert all(run.finish[i] == "length" and run.errors[i] is None for i in run.ids[1:])
-    assert wrong == 0 and usage == 0
+    assert wrong == 0 and leaked == 0
     if kind != "NaN logits":  # NaN logits come after the step's saves, of the culprit's real KV
         assert stored_culprit_chunks == 0
 
@@ -107,15 +108,16 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
             aborted_while_loading += engine.stats()["num_requests_loading_kv"]
             engine.abort_request(ids)
         settle_s = wait_until(lambda: not engine.step() and pool.free_buffers == pool.num_buffers, 30)
-        usage = engine.stats()["kv_cache_usage_perc"]
+        leaked = held_blocks(engine)
         after = drive(engine, prompts, MAX_TOKENS)
     wrong = wrong_outputs(after.outputs, cold(model_path, prompts, MAX_TOKENS))
     scorecard.add(
         "engine", "aborts during store loads (engine)", requests=(STORM_ROUNDS + 2) * len(prompts),
-        wrong_outputs=wrong, recovery_s=settle_s, aborted_while_loading=aborted_while_loading,
-        staging_buffers_free_after=f"{pool.free_buffers}/{pool.num_buffers}", blocks_in_use_after=usage,
+        wrong_outputs=wrong, faults=STORM_ROUNDS * len(prompts), leaked_blocks=leaked, recovery_s=settle_s,
+        aborted_while_loading=aborted_while_loading,
+        staging_buffers_free_after=f"{pool.free_buffers}/{pool.num_buffers}",
     )
-    assert aborted_while_loading > 0 and usage == 0 and wrong == 0
+    assert aborted_while_loading > 0 and leaked == 0 and wrong == 0
 
 
 async def _mixed_load(
@@ -150,9 +152,10 @@ def test_failing_request_gets_500_and_the_batch_completes(
                 for n, w in zip(normal, want, strict=True))
     idle_s = wait_idle(fault_server.url, ADMIN_TOKEN)
     scorecard.add(
-        "engine", scenario, requests=len(prompts) + 2, wrong_outputs=wrong,
+        "engine", scenario, requests=len(prompts) + 2, wrong_outputs=wrong, faults=2,
+        leaked_blocks=server_held_blocks(kv_stats(fault_server.url, ADMIN_TOKEN)), recovery_s=idle_s,
         culprit_status=bad_plain.status, culprit_stream_error=str((bad_stream.error or {}).get("code")),
-        streams_running_when_it_failed=overlapping, seconds_until_idle=idle_s,
+        streams_running_when_it_failed=overlapping,
     )
     assert overlapping == len(prompts)
     assert bad_plain.status == 500 and bad_plain.error["code"] == "generation_failed"
@@ -184,16 +187,16 @@ def test_abort_storm_leaves_no_block_held(fault_server: FaultServer, model_path:
         hung_up += sum(not r.done for r in results)
         drain_s.append(wait_idle(fault_server.url, ADMIN_TOKEN))
     after = asyncio.run(_one(fault_server.url, prompts[0]))
-    device = kv_stats(fault_server.url, ADMIN_TOKEN)["device"]
+    leaked = server_held_blocks(kv_stats(fault_server.url, ADMIN_TOKEN))
     wrong = int(after.text != cold.texts(model_path, prompts[:1], MAX_TOKENS)[0])
     scorecard.add(
         "engine", "abort storm", requests=STORM_ROUNDS * STORM_CLIENTS + 1, wrong_outputs=wrong,
-        recovery_s=max(drain_s), clients_per_storm=STORM_CLIENTS, hung_up_mid_stream=hung_up,
-        blocks_in_use_after=device["kv_cache_usage_perc"],
+        faults=hung_up, leaked_blocks=leaked, recovery_s=max(drain_s), clients_per_storm=STORM_CLIENTS,
+        hung_up_mid_stream=hung_up,
     )
     assert hung_up == STORM_ROUNDS * STORM_CLIENTS
     assert after.status == 200 and wrong == 0
-    assert device["kv_cache_usage_perc"] == 0
+    assert leaked == 0
 
 
 def test_request_larger_than_the_pool_gets_400(fault_server: FaultServer, scorecard: Scorecard):
@@ -205,6 +208,7 @@ def test_request_larger_than_the_pool_gets_400(fault_server: FaultServer, scorec
     answers = {name: asyncio.run(_one(fault_server.url, p, n)) for name, (p, n) in cases.items()}
     scorecard.add(
         "engine", "request larger than the device pool", requests=len(cases), wrong_outputs=0,
+        faults=len(cases),
         **{f"status ({name})": a.status for name, a in answers.items()},
     )
     for answer in answers.values():

@@ -6,6 +6,7 @@ wrong tokens; oversized bodies and absurd max_tokens are refused."""
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -34,12 +35,15 @@ from reliability_support import (
     spec_for,
     store_of,
     tier,
+    wait_until,
     wrong_outputs,
 )
 from scorecard import Scorecard
 
 from bench.redis_server import RedisServer
 from engine import LLM
+from engine.config import EngineConfig
+from engine.kv_security import shared_tiers_without_secret
 from engine.server.metrics import ServerMetrics
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
@@ -161,6 +165,7 @@ def test_forged_records_and_raw_sets_are_rejected(
     wrong = wrong_outputs(run.outputs, cold(model_path, PROMPTS, MAX_TOKENS))
     scorecard.add(
         "security", f"forged records and raw writes ({tiers})", requests=len(PROMPTS), wrong_outputs=wrong,
+        faults=forged,
         forged_records=forged, rejected=rejected(stats), auth_failures=stats["auth_failures"],
         checksum_failures=stats["checksum_failures"], other_rejections=stats["rejected_records"],
         loaded_tokens=moved["kv_loaded_tokens"],
@@ -249,15 +254,21 @@ def test_admin_api_refuses_missing_and_wrong_tokens(fault_server: FaultServer, s
     with httpx.Client(base_url=fault_server.url, timeout=30) as http:
         http.post("/v1/completions", json={"model": "tiny", "prompt": random_prompts(1, 70, 43)[0],
                                            "max_tokens": 1})
-        entries = http.get("/kv/stats", headers=good).json()["tiers"]["disk"]["entries"]
+
+        def disk_entries() -> int:
+            return http.get("/kv/stats", headers=good).json()["tiers"]["disk"]["entries"]
+
+        wait_until(lambda: disk_entries() > 0, 30)  # written behind the request
+        entries = disk_entries()
         statuses = {
             (name, path): http.request(method, path, headers=headers, json=payload).status_code
             for name, headers in BAD_AUTH.items() for method, path, payload in ADMIN_CALLS
         }
-        after = http.get("/kv/stats", headers=good).json()["tiers"]["disk"]["entries"]
+        after = disk_entries()
     refused = sum(status == 401 for status in statuses.values())
     scorecard.add(
         "security", "admin API without a valid token", requests=len(statuses), wrong_outputs=0,
+        faults=len(statuses),
         refused_with_401=refused, attempts=len(statuses), disk_entries_before=entries, disk_entries_after=after,
     )
     assert refused == len(statuses), {k: v for k, v in statuses.items() if v != 401}
@@ -288,6 +299,7 @@ def test_oversized_bodies_and_absurd_requests_are_refused(fault_server: FaultSer
         healthy = http.get("/health").status_code
     scorecard.add(
         "security", "oversized bodies and absurd requests", requests=len(statuses), wrong_outputs=0,
+        faults=len(statuses),
         **{f"status ({name})": status for name, status in statuses.items()}, health_after=healthy,
     )
     assert all(400 <= status < 500 for status in statuses.values()), statuses
@@ -330,7 +342,7 @@ def test_slow_request_bodies_are_cut_off_and_capped_per_client(fault_server: Fau
     held_s = max(seconds for _, seconds, _ in answers)
     scorecard.add(
         "security", "slow request bodies (40 sockets, 10 of 1,000 bytes)", requests=SLOW_SOCKETS + 2,
-        wrong_outputs=0, recovery_s=held_s, refused_at_once_503=statuses.count(503),
+        wrong_outputs=0, faults=SLOW_SOCKETS, recovery_s=held_s, refused_at_once_503=statuses.count(503),
         timed_out_408=len(timed_out), connections_closed=sum(closed for _, _, closed in answers),
         body_read_timeout_s=BODY_READ_TIMEOUT_S, longest_hold_s=held_s,
         status_of_another_client_meanwhile=meanwhile, status_after=after.status_code,
@@ -340,3 +352,105 @@ def test_slow_request_bodies_are_cut_off_and_capped_per_client(fault_server: Fau
     assert all(closed for _, _, closed in answers)
     assert held_s < BODY_READ_TIMEOUT_S + 2
     assert meanwhile == 200 and after.status_code == 200
+
+
+SURROGATE_INPUTS = {  # JSON that spells lone UTF-16 surrogates (valid JSON, invalid Unicode)
+    "completion prompt": ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}),
+    "one prompt of a list": ("/v1/completions", {"prompt": ["fine", "x\udfff"], "max_tokens": 2}),
+    "stop string": ("/v1/completions", {"prompt": "fine", "stop": "\udc00", "max_tokens": 2}),
+    "cache_salt": ("/v1/completions", {"prompt": "fine", "cache_salt": "\ud83d", "max_tokens": 2}),
+    "chat content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}),
+    "chat content part": ("/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]}),
+    "pin prompt": ("/kv/pin", {"prompt": "\ud800"}),
+}
+
+
+def test_lone_surrogates_are_refused_on_a_live_connection(fault_server: FaultServer, scorecard: Scorecard):
+    connection = RawConnection(fault_server.url)
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        answers = {name: connection.post(path, json.dumps({"model": "tiny", **body}).encode(), auth)
+                   for name, (path, body) in SURROGATE_INPUTS.items()}
+        status, good = connection.post("/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}).encode())
+    finally:
+        connection.close()
+    codes = {name: json.loads(body)["error"]["code"] for name, (_, body) in answers.items()}
+    scorecard.add(
+        "security", "lone UTF-16 surrogates in prompts, chat, stop, salt, pin", requests=len(answers) + 1,
+        wrong_outputs=0, faults=len(answers), **{f"status ({name})": s for name, (s, _) in answers.items()},
+        status_of_the_next_request_on_the_same_connection=status,
+    )
+    assert all(s == 400 for s, _ in answers.values())
+    # pydantic's own JSON parser (the admin API's) refuses the escape itself
+    assert codes == {**dict.fromkeys(codes, "invalid_value"), "pin prompt": "invalid_json"}
+    assert status == 200 and json.loads(good)["usage"]["completion_tokens"] == 2
+
+
+def engine_request_count(url: str) -> float:
+    """Requests the server's engine has finished or aborted so far."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    family = next(f for f in families if f.name == "vllm:request_success")
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
+def test_too_many_prompts_are_refused_before_any_work(fault_server: FaultServer, scorecard: Scorecard):
+    """Before: 400 prompts on an idle server got 503 queue_full, which could never succeed;
+    50,000 spent 5.9 s tokenizing and ran 320 requests before the 503."""
+    cases = {"65 prompts": ["x"] * 65, "400 prompts": ["x"] * 400, "50,000 token-id prompts": [[5]] * 50_000}
+    seen = engine_request_count(fault_server.url)
+    answers, seconds = {}, {}
+    with httpx.Client(base_url=fault_server.url, timeout=60) as http:
+        for name, prompt in cases.items():
+            started = time.monotonic()
+            answers[name] = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            seconds[name] = time.monotonic() - started
+        fits = http.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6]] * 64, "max_tokens": 1})
+    ran = engine_request_count(fault_server.url) - seen
+    scorecard.add(
+        "security", "too many prompts in one completion", requests=len(cases) + 1, wrong_outputs=0,
+        faults=len(cases), **{f"status ({name})": a.status_code for name, a in answers.items()},
+        **{f"seconds ({name})": s for name, s in seconds.items()}, status_of_64_prompts=fits.status_code,
+        engine_requests_run=ran,
+    )
+    assert all(a.status_code == 400 and a.json()["error"]["code"] == "too_many_prompts" for a in answers.values())
+    assert fits.status_code == 200 and ran == 64  # only the 64 prompts that fit ever reached the engine
+
+
+def test_pins_with_token_ids_outside_the_vocabulary_are_refused(fault_server: FaultServer, scorecard: Scorecard):
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    cases = {f"{path} {name}": (path, ids) for path in ("/kv/pin", "/kv/unpin")
+             for name, ids in (("2**32", [5, 2**32]), ("2**64", [5, 2**64]), ("10**6", [5, 10**6]), ("-1", [-1]))}
+    with httpx.Client(base_url=fault_server.url, timeout=30) as http:
+        statuses = {name: http.post(path, headers=auth, json={"prompt": ids}).status_code
+                    for name, (path, ids) in cases.items()}
+        pinned = http.post("/kv/pin", headers=auth, json={"prompt": [5] * 70}).status_code
+        healthy = http.get("/health").status_code
+    scorecard.add(
+        "security", "pin and unpin with token ids outside the vocabulary", requests=len(cases) + 1,
+        wrong_outputs=0, faults=len(cases), **{f"status ({name})": s for name, s in statuses.items()},
+        status_of_a_valid_pin=pinned, health_after=healthy,
+    )
+    assert set(statuses.values()) == {400} and pinned == 200 and healthy == 200
+
+
+def test_shared_tiers_without_a_secret_warn_at_start(fault_server: FaultServer, model_path: str,
+                                                     caplog: pytest.LogCaptureFixture, scorecard: Scorecard):
+    """The fault server (another process, no --kv-secret) uses its disk directory: an
+    engine joining it without a secret warns; with one, it does not. A Redis tier off
+    loopback is reported from the options alone (nothing listens there)."""
+    shared = {**STORE_ONLY, "kv_offload": "disk", "kv_offload_disk_path": str(fault_server.disk_path)}
+    warnings = {}
+    for name, extra in (("without a secret", {}), ("with --kv-secret", {"kv_secret": SECRET})):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="engine.kv_security"):
+            LLM(model=model_path, **shared, **extra).close()
+        warnings[name] = [r.getMessage() for r in caplog.records]
+    remote = shared_tiers_without_secret(EngineConfig(kv_offload="redis", kv_redis_url="redis://10.9.8.7:6379"))
+    scorecard.add(
+        "security", "shared tiers without --kv-secret", requests=3, wrong_outputs=0, faults=2,
+        **{f"warnings ({name})": len(w) for name, w in warnings.items()}, remote_redis_reported=len(remote),
+    )
+    assert len(warnings["without a secret"]) == 1 and "another running process" in warnings["without a secret"][0]
+    assert warnings["with --kv-secret"] == [] and len(remote) == 1

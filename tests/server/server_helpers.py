@@ -110,11 +110,13 @@ class RawConnection:
                                              source_address=(source_host, 0) if source_host else None)
         self.conn = h11.Connection(h11.CLIENT)
 
-    def request(self, path: str, body: bytes, content_length: int | None = None) -> None:
+    def request(self, path: str, body: bytes, content_length: int | None = None,
+                headers: dict[str, str] | None = None) -> None:
         """Send the head and `body`; `content_length` may announce more than is sent."""
         h11 = self._h11
         length = len(body) if content_length is None else content_length
-        headers = [("Host", "kvtier"), ("Content-Type", "application/json"), ("Content-Length", str(length))]
+        headers = [("Host", "kvtier"), ("Content-Type", "application/json"), ("Content-Length", str(length)),
+                   *(headers or {}).items()]
         self.sock.sendall(self.conn.send(h11.Request(method="POST", target=path, headers=headers)))
         self.sock.sendall(self.conn.send(h11.Data(data=body)))
         if len(body) == length:
@@ -137,9 +139,9 @@ class RawConnection:
             elif isinstance(event, h11.ConnectionClosed):
                 raise ConnectionError("the server closed the connection")
 
-    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """One request on this connection; ready for the next one after it."""
-        self.request(path, body)
+        self.request(path, body, headers=headers)
         result = self.response()
         self.conn.start_next_cycle()
         return result
