@@ -29,6 +29,7 @@ from reliability_support import (
     block_hash_of,
     delta,
     drive,
+    held_blocks,
     numeric_stats,
     random_prompts,
     rejected,
@@ -176,6 +177,41 @@ def test_forged_records_and_raw_sets_are_rejected(
     assert exported == {"checksum": stats["checksum_failures"], "hmac": stats["auth_failures"],
                         "identity": stats["rejected_records"]}
     assert exported["identity"] > 0  # the moved records
+
+
+def test_a_forged_record_of_nan_kv_fails_only_its_request(
+    model_path: str, cold: ColdOracle, tmp_path: Path, scorecard: Scorecard
+):
+    """Without a secret, a record of NaN KV with a valid checksum under a genuine key is
+    loaded (the issue's reproduction of a NaN logprob): its request gets NaN logits and
+    fails alone with a clear error; the requests batched with it, and those that reuse
+    its blocks afterwards, get the cold outputs."""
+    victim = random_prompts(1, 100, seed=45)[0]
+    others = [random_prompts(1, n, seed=n)[0] for n in (50, 60, 70, 80, 90)]
+    options = {**STORE_ONLY, **store_options("disk", tmp_path, None), "num_kv_blocks": 40}
+    with LLM(model=model_path, **options) as llm:
+        drive(llm.engine, [victim], MAX_TOKENS)
+        codec = RecordCodec(spec_for(llm.engine))
+    nan_kv = tensor_bytes(torch.full(codec.spec.shape, float("nan")).to(codec.spec.dtype))
+    files = sorted((tmp_path / "kv").rglob("*.kvc"))
+    for path in files:
+        path.write_bytes(bytes(codec.encode(block_hash_of(path.stem), nan_kv)))
+    with LLM(model=model_path, **options) as llm:
+        run = drive(llm.engine, [victim, *others], MAX_TOKENS)
+        after = drive(llm.engine, others, MAX_TOKENS)
+        leaked = held_blocks(llm.engine)
+    want = cold(model_path, others, MAX_TOKENS)
+    wrong = wrong_outputs(run.outputs[1:], want) + wrong_outputs(after.outputs, want)
+    victim_id = run.ids[0]
+    scorecard.add(
+        "security", "forged record of NaN KV (no secret)", requests=len(run.ids) + len(after.ids),
+        wrong_outputs=wrong, faults=len(files), leaked_blocks=leaked, victim_finish=str(run.finish[victim_id]),
+        batch_mates_finished=sum(run.finish[i] == "length" for i in run.ids[1:]),
+    )
+    assert run.finish[victim_id] == "error" and "NaN or infinite logits" in run.errors[victim_id]
+    assert wrong == 0 and leaked == 0
+    assert all(run.finish[i] == "length" for i in run.ids[1:])
+    assert all(after.finish[i] == "length" for i in after.ids)
 
 
 def salt_options(tiers: str, tmp_path: Path, redis_factory: Callable[[], RedisServer]) -> dict:
