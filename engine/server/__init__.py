@@ -2,6 +2,6 @@
 
 Module map: cli_args (flags), api_server (app, routes, process lifecycle), serving
 (completions and chat), protocol (request/response models), responses (output shaping),
-streams (per-call engine requests, disconnects), errors, middleware, metrics, admin (/kv/),
-state (what routes share).
+streams (per-call engine requests, disconnects), errors, middleware (body size, arrival
+time, slow bodies per client), metrics, admin (/kv/), state (what routes share).
 """
