@@ -20,7 +20,7 @@ from bench.common import markdown_table, median, timed
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import publish, run_stamp, workload_parser
 from engine import LLM, SamplingParams
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 
 NAME = "engine"
 PROFILE_PROMPTS = 8  # the profile runs this many of the mixed batch's requests together
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    path = args.model or default_model_path()
+    path = resolve_model(args.model)
     llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.batch_size,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()

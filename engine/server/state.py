@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from transformers import AutoTokenizer
+from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncEngine
+from engine.builtin_models import DEFAULT_MODEL
 from engine.server.cli_args import ServerSettings
 from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
@@ -18,7 +18,6 @@ from engine.server.metrics import ServerMetrics
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-BUILTIN_MODEL_NAME = "kvtier-tiny"
 TOKEN_TEXT_CACHE = 65536
 
 
@@ -55,7 +54,7 @@ class ServerState:
 
 def default_model_names(model_flag: str | None) -> tuple[str, ...]:
     """What clients call the model when --served-model-name is not given."""
-    return (model_flag or BUILTIN_MODEL_NAME,)
+    return (model_flag or DEFAULT_MODEL,)
 
 
 def create_state(
@@ -64,7 +63,7 @@ def create_state(
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
-    token_text = _token_text_function(engine.config.tokenizer or engine.model_path)
+    token_text = _token_text_function(copy.deepcopy(engine.tokenizer))
     async_engine = AsyncEngine(
         engine, max_pending_requests=settings.queue_size(engine.config.max_num_seqs), observer=metrics.requests
     )
@@ -83,10 +82,9 @@ def create_state(
     )
 
 
-def _token_text_function(tokenizer_path: str) -> Callable[[int], str]:
-    """id -> text of one token, for logprobs. A tokenizer instance of the server's own:
-    the engine's belongs to the engine thread, and this one is used on the event loop."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+def _token_text_function(tokenizer: Any) -> Callable[[int], str]:
+    """id -> text of one token, for logprobs. `tokenizer` is the server's own copy: the
+    engine's belongs to the engine thread, and this one is used on the event loop."""
 
     @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)
     def token_text(token_id: int) -> str:
