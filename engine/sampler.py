@@ -54,10 +54,10 @@ class Sampler:
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
             raise ValueError("logits must be [n, vocab] with one params and generator per row")
         logits = logits.float()
-        bad = ~torch.isfinite(logits.amax(dim=-1))
+        row_max, tokens = logits.max(dim=-1)  # one pass: the greedy tokens and the check
+        bad = ~torch.isfinite(row_max)
         if any(g is not None for g in generators):
             _raise_for(bad)  # before a request's generator draws: a rerun draws the same
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
         if rows:
             tokens[rows] = _sample_rows(
@@ -73,7 +73,7 @@ class Sampler:
 
 def _raise_for(bad: torch.Tensor) -> None:
     """Raise NonFiniteLogitsError for the rows flagged in `bad`: rows whose maximum is not
-    finite, i.e. a NaN anywhere (amax propagates it), a +inf, or every logit -inf (-inf
+    finite, i.e. a NaN anywhere (max propagates it), a +inf, or every logit -inf (-inf
     entries alone are masked tokens)."""
     if bool(bad.any()):
         raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
