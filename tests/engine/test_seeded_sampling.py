@@ -1,7 +1,8 @@
 """Seeded sampling through the engine, against something other than itself: a seed gives
 the same tokens whatever the batch and the chunking around its request, another seed gives
 others, and the draws over many seeds follow the distribution transformers computes
-(temperature and top-k applied to its logits)."""
+(temperature and top-k applied to its logits; at 0.3 the four probabilities are 0.44,
+0.28, 0.20 and 0.09 against 0.31, 0.27, 0.24 and 0.19 at 1)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from engine import LLM, SamplingParams
 PROMPT = "The cache keeps what was computed once"
 OTHERS = ["A long document comes back", "The scheduler decides which requests run in each step " * 3,
           "Numbers, names and places", "Good tools are simple to start", "x"]
-SEEDS = 2000
-TEMPERATURE, TOP_K = 0.7, 4
+SEEDS = 1000
+TEMPERATURE, TOP_K = 0.3, 4  # a temperature far enough from 1 to tell apart
 
 
 @pytest.fixture(scope="module")
