@@ -121,17 +121,18 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
 
 
 async def _mixed_load(
-    url: str, prompts: list[list[int]], culprit: list[int]
+    url: str, prompts: list[list[int]], culprits: tuple[list[int], list[int]]
 ) -> tuple[list[Completion], Completion, Completion, int]:
-    """Long normal streams; once all of them decode, the culprit twice (plain, streamed):
-    its prefill shares a step with their decodes."""
+    """Long normal streams; once all of them decode, two culprits (plain, streamed): their
+    prefill shares a step with the decodes. Two different prompts, so that neither can
+    load what the other's failed step saved (NaN logits come after the step's saves)."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         decoding = [asyncio.Event() for _ in prompts]
         normal = [asyncio.ensure_future(stream(client, p, NORMAL_TOKENS, first_token=e))
                   for p, e in zip(prompts, decoding, strict=True)]
         await asyncio.gather(*(e.wait() for e in decoding))
         bad_plain, bad_stream = await asyncio.gather(
-            complete(client, culprit, MAX_TOKENS), stream(client, culprit, MAX_TOKENS)
+            complete(client, culprits[0], MAX_TOKENS), stream(client, culprits[1], MAX_TOKENS)
         )
         still_running = sum(not task.done() for task in normal)
         return await asyncio.gather(*normal), bad_plain, bad_stream, still_running
@@ -145,8 +146,8 @@ def test_failing_request_gets_500_and_the_batch_completes(
     scorecard: Scorecard,
 ):
     prompts = random_prompts(6, 60, seed=34)
-    culprit = poisoned_prompt(seed=35, token=token)
-    normal, bad_plain, bad_stream, overlapping = asyncio.run(_mixed_load(fault_server.url, prompts, culprit))
+    culprits = (poisoned_prompt(seed=35, token=token), poisoned_prompt(seed=135, token=token))
+    normal, bad_plain, bad_stream, overlapping = asyncio.run(_mixed_load(fault_server.url, prompts, culprits))
     want = cold.texts(model_path, prompts, NORMAL_TOKENS)
     wrong = sum(n.text != w or n.finish_reason != "length" or n.error is not None
                 for n, w in zip(normal, want, strict=True))
