@@ -19,8 +19,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        inv_rms = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (h * inv_rms).to(x.dtype).mul_(self.weight)
 
 
 class Linear(nn.Module):
@@ -67,7 +67,7 @@ class Linear(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused `[..., 2 * intermediate]` gate/up projection output."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 class Embedding(nn.Module):
