@@ -6,7 +6,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
@@ -14,6 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.server.cli_args import ServerSettings
 from engine.server.errors import model_not_found
 from engine.server.metrics import ServerMetrics
+from engine.server.prompts import PromptTokenizer
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -31,6 +32,7 @@ class ServerState:
     model_root: str
     max_model_len: int
     kv_offload: tuple[str, ...]
+    prompts: PromptTokenizer
     token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -57,7 +59,8 @@ def create_state(
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
-    token_text = _token_text_function(engine.config.tokenizer or engine.model_path)
+    # The server's own tokenizer: the engine's belongs to the engine thread.
+    tokenizer = AutoTokenizer.from_pretrained(engine.config.tokenizer or engine.model_path)
     async_engine = AsyncEngine(
         engine,
         max_pending_requests=engine.config.max_num_seqs + settings.max_waiting_requests,
@@ -72,14 +75,13 @@ def create_state(
         model_root=engine.model_path,
         max_model_len=engine.config.max_model_len,
         kv_offload=engine.config.kv_offload,
-        token_text=token_text,
+        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len),
+        token_text=_token_text_function(tokenizer),
     )
 
 
-def _token_text_function(tokenizer_path: str) -> Callable[[int], str]:
-    """id -> text of one token, for logprobs. A tokenizer instance of the server's own:
-    the engine's belongs to the engine thread, and this one is used on the event loop."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+def _token_text_function(tokenizer: Any) -> Callable[[int], str]:
+    """id -> text of one token, for logprobs (on the event loop)."""
 
     @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)
     def token_text(token_id: int) -> str:
