@@ -18,9 +18,9 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        inv_rms = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return (h * inv_rms).to(x.dtype).mul_(self.weight)
+        # F.rms_norm in fp32 is bit-identical to transformers' pow/mean/rsqrt, in one call.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return normed.to(x.dtype).mul_(self.weight)
 
 
 class Linear(nn.Module):
