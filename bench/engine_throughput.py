@@ -47,6 +47,7 @@ TEXT_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "re"
                 "argparse", "logging", "subprocess", "threading", "unittest", "email", "http.client")
 COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
 ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
+PARTS = ("prefill", "decode", "decode_batch", "mixed", "stream_gap")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -62,7 +63,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 192), metavar=("MIN", "MAX"))
     p.add_argument("--hf-batch-size", type=int, default=16, help="Static batch size of the transformers baseline.")
     p.add_argument("--big-prompt-bytes", type=int, default=8_000_000,
-                   help="Size of the text prompt posted during the stream (0 skips the stream-gap part).")
+                   help="Size of the text prompt posted during the stream.")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="The parts to run (default: all).")
     p.add_argument("--stream-tokens", type=int, default=256, help="Tokens of the streamed completion.")
     return p.parse_args(argv)
 
@@ -292,13 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     parts = Parts(llm, hf, real_text(2 * longest, llm.tokenizer), random.Random(args.seed))
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": path}
     llm.generate([parts.prompt(64)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-    result["prefill"] = [prefill(parts, n, args.repeats) for n in args.prefill_lens]
-    result["decode"] = decode_single(parts, args.decode_context, args.decode_steps)
-    result["decode_batch"] = decode_batch(parts, args.batch_decode, args.batch_context, args.decode_steps)
-    result["mixed"] = mixed_batch(parts, args)
+    if "prefill" in args.parts:
+        result["prefill"] = [prefill(parts, n, args.repeats) for n in args.prefill_lens]
+    if "decode" in args.parts:
+        result["decode"] = decode_single(parts, args.decode_context, args.decode_steps)
+    if "decode_batch" in args.parts:
+        result["decode_batch"] = decode_batch(parts, args.batch_decode, args.batch_context, args.decode_steps)
+    if "mixed" in args.parts:
+        result["mixed"] = mixed_batch(parts, args)
     if args.profile:
         result["profile"] = profile_parts(parts, args)
-    if args.big_prompt_bytes:
+    if "stream_gap" in args.parts:
         result["stream_gap"] = stream_gap(llm, parts.text, args)
     plot(result)
     publish(NAME, result, render(result))
@@ -322,71 +328,97 @@ def profile_parts(parts: Parts, args: argparse.Namespace) -> dict:
 
 
 def render(result: dict) -> str:
-    text = "Prefill (speedup: transformers seconds / engine seconds, median of the interleaved repeats)\n\n"
-    text += markdown_table(
-        ["prompt tokens", "engine TTFT s", "transformers forward s", "speedup", "forward, last logits only s",
-         "speedup"],
-        [[p["prompt_len"], p["engine_s"], p["hf_forward_s"], p["speedup_vs_hf_forward"], p["hf_last_logits_s"],
-          p["speedup_vs_hf_last_logits"]] for p in result["prefill"]],
-    )
-    d = result["decode"]
-    text += (f"\nDecode at batch 1 after {d['context']} tokens (memory floor: {d['floor_bytes']['weights'] / 1e6:.0f} MB "
-             f"of weights + {d['floor_bytes']['kv'] / 1e6:.0f} MB of KV at the {d['memcpy_gb_s']:.1f} GB/s memcpy "
-             "measured in this run)\n\n")
-    text += markdown_table(["system", "ms/token", "x floor"], [
-        ["engine", d["engine_ms"], d["engine_over_floor"]], ["transformers", d["hf_ms"], d["hf_ms"] / d["floor_ms"]],
-        ["memory floor", d["floor_ms"], 1.0]])
-    b = result["decode_batch"]
-    text += f"\nDecode of {b['batch']} sequences after {b['context']} tokens each\n\n"
-    text += markdown_table(["system", "tokens/s", "speedup"], [
-        ["engine", b["engine_tok_s"], b["speedup_vs_hf"]], ["transformers", b["hf_tok_s"], 1.0]])
-    m = result["mixed"]
-    text += f"\nMixed batch of {m['requests']} requests ({m['output_tokens']} output tokens)\n\n"
-    text += markdown_table(["system", "seconds", "output tok/s", "speedup"], [
-        [ENGINE, m["engine_s"], m["engine_tok_s"], m["speedup_vs_hf"]], [HF, m["hf_s"], m["hf_tok_s"], 1.0]])
-    if "stream_gap" in result:
-        g = result["stream_gap"]
-        text += (f"\nStream gap while a {g['prompt_bytes'] / 1e6:.1f} MB text prompt is posted (answered "
-                 f"{g['status']} {g['error_code'] or ''} in {g['request_s']:.2f} s)\n\n")
-        text += markdown_table(["longest gap ms", "median gap ms (rest of the stream)", "stream tokens"],
-                               [[g["longest_gap_ms"], g["median_gap_ms"], g["stream_tokens"]]])
+    sections = [_render_prefill, _render_decode, _render_decode_batch, _render_mixed, _render_stream_gap]
+    text = "\n".join(fn(result[part]) for part, fn in zip(PARTS, sections, strict=True) if part in result)
     for part in ("prefill", "decode"):
         if "profile" in result:
             text += profile_tables({"profile": result["profile"][part]})
     return text
 
 
+def _render_prefill(prefills: list[dict]) -> str:
+    text = "Prefill (speedup: transformers seconds / engine seconds, median of the interleaved repeats)\n\n"
+    return text + markdown_table(
+        ["prompt tokens", "engine TTFT s", "transformers forward s", "speedup", "forward, last logits only s",
+         "speedup"],
+        [[p["prompt_len"], p["engine_s"], p["hf_forward_s"], p["speedup_vs_hf_forward"], p["hf_last_logits_s"],
+          p["speedup_vs_hf_last_logits"]] for p in prefills],
+    )
+
+
+def _render_decode(d: dict) -> str:
+    text = (f"Decode at batch 1 after {d['context']} tokens (memory floor: {d['floor_bytes']['weights'] / 1e6:.0f} MB "
+            f"of weights + {d['floor_bytes']['kv'] / 1e6:.0f} MB of KV at the {d['memcpy_gb_s']:.1f} GB/s memcpy "
+            "measured in this run)\n\n")
+    return text + markdown_table(["system", "ms/token", "x floor"], [
+        ["engine", d["engine_ms"], d["engine_over_floor"]], ["transformers", d["hf_ms"], d["hf_ms"] / d["floor_ms"]],
+        ["memory floor", d["floor_ms"], 1.0]])
+
+
+def _render_decode_batch(b: dict) -> str:
+    text = f"Decode of {b['batch']} sequences after {b['context']} tokens each\n\n"
+    return text + markdown_table(["system", "tokens/s", "speedup"], [
+        ["engine", b["engine_tok_s"], b["speedup_vs_hf"]], ["transformers", b["hf_tok_s"], 1.0]])
+
+
+def _render_mixed(m: dict) -> str:
+    text = f"Mixed batch of {m['requests']} requests ({m['output_tokens']} output tokens)\n\n"
+    return text + markdown_table(["system", "seconds", "output tok/s", "speedup"], [
+        [ENGINE, m["engine_s"], m["engine_tok_s"], m["speedup_vs_hf"]], [HF, m["hf_s"], m["hf_tok_s"], 1.0]])
+
+
+def _render_stream_gap(g: dict) -> str:
+    text = (f"Stream gap while a {g['prompt_bytes'] / 1e6:.1f} MB text prompt is posted (answered "
+            f"{g['status']} {g['error_code'] or ''} in {g['request_s']:.2f} s)\n\n")
+    return text + markdown_table(["longest gap ms", "median gap ms (rest of the stream)", "stream tokens"],
+                                 [[g["longest_gap_ms"], g["median_gap_ms"], g["stream_tokens"]]])
+
+
 def plot(result: dict) -> None:
-    pre = result["prefill"]
-    lens = [p["prompt_len"] for p in pre]
-    d, b, m = result["decode"], result["decode_batch"], result["mixed"]
-    plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("Prefill", "prompt tokens", "tokens/s", lens, {
+    panels = []
+    if "prefill" in result:
+        pre = result["prefill"]
+        lens = [p["prompt_len"] for p in pre]
+        panels.append(plots.Panel("Prefill", "prompt tokens", "tokens/s", lens, {
             "engine": [n / p["engine_s"] for n, p in zip(lens, pre, strict=True)],
-            "transformers forward": [n / p["hf_forward_s"] for n, p in zip(lens, pre, strict=True)]}),
-        plots.Panel(f"Decode, batch 1, {d['context']} context", "", "ms/token",
-                    ["engine", "transformers", "memory floor"], {"ms": [d["engine_ms"], d["hf_ms"], d["floor_ms"]]},
-                    kind="bar"),
-        plots.Panel("Throughput", "", "tokens/s", [f"decode x{b['batch']}", "mixed batch"], {
-            "engine": [b["engine_tok_s"], m["engine_tok_s"]], "transformers": [b["hf_tok_s"], m["hf_tok_s"]]},
-                    kind="bar"),
-    ], "Engine vs transformers, same weights, same process")
+            "transformers forward": [n / p["hf_forward_s"] for n, p in zip(lens, pre, strict=True)]}))
+    if "decode" in result:
+        d = result["decode"]
+        panels.append(plots.Panel(f"Decode, batch 1, {d['context']} context", "", "ms/token",
+                                  ["engine", "transformers", "memory floor"],
+                                  {"ms": [d["engine_ms"], d["hf_ms"], d["floor_ms"]]}, kind="bar"))
+    throughput = {f"decode x{result['decode_batch']['batch']}": result["decode_batch"]} if "decode_batch" in result else {}
+    if "mixed" in result:
+        throughput["mixed batch"] = result["mixed"]
+    if throughput:
+        panels.append(plots.Panel("Throughput", "", "tokens/s", list(throughput), {
+            "engine": [t["engine_tok_s"] for t in throughput.values()],
+            "transformers": [t["hf_tok_s"] for t in throughput.values()]}, kind="bar"))
+    if panels:
+        plots.save_figure(plots.png_path(NAME), panels, "Engine vs transformers, same weights, same process")
 
 
 def describe(result: dict) -> str:
     """What the numbers say, computed from them (a paragraph of docs/BENCHMARKS.md)."""
-    pre = ", ".join(f"{p['speedup_vs_hf_forward']:.2f}x at {p['prompt_len']} tokens "
-                    f"({p['speedup_vs_hf_last_logits']:.2f}x against a forward computing the last logits only)"
-                    for p in result["prefill"])
-    d, b, m = result["decode"], result["decode_batch"], result["mixed"]
-    text = (f"Prefill: the engine's time to first token beats one transformers forward over the same tokens by {pre}. "
-            f"Decode at batch 1 after {d['context']} tokens: {d['engine_ms']:.1f} ms a token, "
-            f"{d['engine_over_floor']:.2f}x the memory floor of {d['floor_ms']:.1f} ms "
-            f"({d['speedup_vs_hf']:.2f}x transformers' {d['hf_ms']:.1f} ms). {b['batch']} sequences decoding: "
-            f"{b['engine_tok_s']:.0f} tokens/s, {b['speedup_vs_hf']:.2f}x transformers. The mixed batch: "
-            f"{m['speedup_vs_hf']:.2f}x transformers' static batches (a static batch decodes until its longest "
-            "output with its finished rows still in it; continuous batching gives a finished request's seat "
-            "to a waiting one). ")
+    text = ""
+    if "prefill" in result:
+        pre = ", ".join(f"{p['speedup_vs_hf_forward']:.2f}x at {p['prompt_len']} tokens "
+                        f"({p['speedup_vs_hf_last_logits']:.2f}x against a forward computing the last logits only)"
+                        for p in result["prefill"])
+        text += f"Prefill: the engine's time to first token against one transformers forward over the same tokens: {pre}. "
+    if "decode" in result:
+        d = result["decode"]
+        text += (f"Decode at batch 1 after {d['context']} tokens: {d['engine_ms']:.1f} ms a token, "
+                 f"{d['engine_over_floor']:.2f}x the memory floor of {d['floor_ms']:.1f} ms "
+                 f"({d['speedup_vs_hf']:.2f}x transformers' {d['hf_ms']:.1f} ms). ")
+    if "decode_batch" in result:
+        b = result["decode_batch"]
+        text += (f"{b['batch']} sequences decoding: {b['engine_tok_s']:.0f} tokens/s, "
+                 f"{b['speedup_vs_hf']:.2f}x transformers. ")
+    if "mixed" in result:
+        text += (f"The mixed batch: {result['mixed']['speedup_vs_hf']:.2f}x transformers' static batches (a static "
+                 "batch decodes until its longest output with its finished rows still in it; continuous batching "
+                 "gives a finished request's seat to a waiting one). ")
     if "stream_gap" in result:
         g = result["stream_gap"]
         text += (f"While a {g['prompt_bytes'] / 1e6:.1f} MB prompt was posted (answered {g['status']} in "
@@ -395,4 +427,3 @@ def describe(result: dict) -> str:
     if "profile" in result:
         text += " ".join(profile_note({"profile": result["profile"][part]}) for part in ("prefill", "decode"))
     return text.strip()
-
