@@ -24,9 +24,7 @@ import argparse
 import http.client
 import itertools
 import json
-import pydoc
 import random
-import re
 import socket
 import threading
 import time
@@ -39,12 +37,11 @@ from bench import hf_baselines, plots
 from bench.common import markdown_table, median
 from bench.profiling import profile_call, profile_note, profile_tables
 from bench.summary import publish, run_stamp, workload_parser
+from bench.text_corpus import MODULES, CorpusTokens, module_text
 from engine import LLM, SamplingParams
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 
 NAME = "engine"
-TEXT_MODULES = ("collections", "functools", "itertools", "json", "pathlib", "re", "typing", "asyncio",
-                "argparse", "logging", "subprocess", "threading", "unittest", "email", "http.client")
 COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
 ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
 PARTS = ("prefill", "decode", "decode_batch", "mixed", "stream_gap")
@@ -69,31 +66,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def real_text(min_tokens: int, tokenizer) -> list[int]:
-    """At least `min_tokens` token ids of English prose and code: stdlib pydoc, repeated."""
-    text = "\n".join(_pydoc(m) for m in TEXT_MODULES)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return (ids * (min_tokens // len(ids) + 1))[:max(min_tokens, len(ids))]
-
-
-def _pydoc(module: str) -> str:
-    rendered = pydoc.render_doc(__import__(module, fromlist=["_"]), renderer=pydoc.plaintext)
-    return re.sub(r" at 0x[0-9a-f]+", "", rendered)  # object addresses change per run
-
-
 @dataclass
 class Parts:
     """What every part measures with: the engine, transformers, and the text."""
 
     llm: LLM
     hf: object
-    text: list[int]
+    corpus: CorpusTokens
     rng: random.Random
 
     def prompt(self, length: int) -> list[int]:
-        """`length` tokens of the text from a random offset (no two prompts share a prefix)."""
-        start = self.rng.randrange(len(self.text) - length)
-        return self.text[start : start + length]
+        """`length` consecutive tokens of the corpus from a random point (prompts share no
+        prefix)."""
+        return self.corpus.take(self.rng, length)
 
 
 def prefill(parts: Parts, length: int, repeats: int) -> dict:
@@ -209,7 +194,7 @@ def mixed_batch(parts: Parts, args: argparse.Namespace) -> dict:
             "engine_tok_s": generated / engine_s, "hf_tok_s": sum(outputs) / hf_s, "speedup_vs_hf": hf_s / engine_s}
 
 
-def stream_gap(llm: LLM, text: list[int], args: argparse.Namespace) -> dict:
+def stream_gap(llm: LLM, stream_prompt: list[int], args: argparse.Namespace) -> dict:
     """Serve `llm`'s engine; the longest gap of a streamed completion while a big text
     prompt is posted. The engine belongs to the server afterwards."""
     from engine.server.api_server import build_app
@@ -227,15 +212,15 @@ def stream_gap(llm: LLM, text: list[int], args: argparse.Namespace) -> dict:
     try:
         while not server.started:
             time.sleep(0.05)
-        return _measure_gap(port, llm.tokenizer.decode(text[:2000]), _big_prompt(llm, settings, args), args)
+        return _measure_gap(port, llm.tokenizer.decode(stream_prompt), _big_prompt(settings, args), args)
     finally:
         server.should_exit = True
         serving.join()
 
 
-def _big_prompt(llm: LLM, settings, args: argparse.Namespace) -> str:
+def _big_prompt(settings, args: argparse.Namespace) -> str:
     """Real text of --big-prompt-bytes characters whose request body fits the body limit."""
-    chunk = "\n".join(_pydoc(m) for m in TEXT_MODULES)
+    chunk = "\n".join(module_text(m) for m in MODULES)
     text = (chunk * (args.big_prompt_bytes // len(chunk) + 1))[: args.big_prompt_bytes]
     while len(json.dumps({"prompt": text})) > settings.max_request_bytes - 1024:
         text = text[: len(text) * 95 // 100]
@@ -287,11 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    path = args.model or default_model_path()
+    path = resolve_model(args.model)
     llm = LLM(model=path, dtype=args.dtype)
     hf = hf_baselines.load_model(path, args.dtype)
-    longest = max([*args.prefill_lens, args.decode_context, args.batch_context, args.prompt_len[1]])
-    parts = Parts(llm, hf, real_text(2 * longest, llm.tokenizer), random.Random(args.seed))
+    parts = Parts(llm, hf, CorpusTokens(llm.tokenizer), random.Random(args.seed))
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": path}
     llm.generate([parts.prompt(64)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
     if "prefill" in args.parts:
@@ -305,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         result["profile"] = profile_parts(parts, args)
     if "stream_gap" in args.parts:
-        result["stream_gap"] = stream_gap(llm, parts.text, args)
+        result["stream_gap"] = stream_gap(llm, parts.prompt(2000), args)
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -7,10 +7,12 @@ import argparse
 from engine.config import DTYPES, EngineConfig, parse_size
 
 _HELP = {
-    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer). "
-    "Default: the built-in tiny random Llama, created locally on first use.",
+    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a "
+    ".gguf file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 "
+    "(SmolLM2-135M-Instruct, installed by `kvtier download-model`).",
     "tokenizer": "Tokenizer directory, when it differs from --model.",
-    "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's torch_dtype.",
+    "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
+    "file: its float type, bfloat16 when quantized).",
     "device": "auto (CUDA when available), cpu, cuda or cuda:N.",
     "seed": "Seed for weight-independent randomness (sampling without a per-request seed).",
     "block_size": "Tokens per KV-cache block (power of two).",

@@ -59,7 +59,7 @@ def default_disk_path() -> str:
 
 @dataclass
 class EngineConfig:
-    """Every engine option. `model=None` means the built-in tiny random model."""
+    """Every engine option. `model=None` means the built-in default (builtin:smollm2)."""
 
     model: str | None = None
     tokenizer: str | None = None

@@ -13,17 +13,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 import kernels
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
-from engine.models import ModelSpec, load_model, resolve_dtype
+from engine.models import ModelSpec, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -59,10 +58,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         kernels.set_backend(config.attention_backend)
-        model_path = config.model or default_model_path()
-        self.model, self.spec = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
+        model_path = resolve_model(config.model)
+        self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+        self.tokenizer = load_tokenizer(model_path, config.tokenizer)
         self.model_path = model_path
         self.config = dataclasses.replace(
             config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)

@@ -65,7 +65,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="TCP port; 0 picks a free one, printed at startup (default: %(default)s).")
     group.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
                        help="Model name(s) clients put in the `model` field; the first one is "
-                       "reported in responses (default: the --model path, or kvtier-tiny).")
+                       "reported in responses (default: the --model value, or builtin:smollm2).")
     group.add_argument("--enable-kv-admin", action="store_true",
                        help="Serve the KV admin API under /kv/ (stats, pin, unpin, flush). "
                        "Requires --admin-token.")

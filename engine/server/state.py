@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer
-
 from engine.async_engine import AsyncEngine
+from engine.builtin_models import DEFAULT_MODEL
 from engine.server.cli_args import ServerSettings
 from engine.server.errors import model_not_found
 from engine.server.metrics import ServerMetrics
@@ -19,7 +19,6 @@ from engine.server.prompts import PromptTokenizer
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-BUILTIN_MODEL_NAME = "kvtier-tiny"
 TOKEN_TEXT_CACHE = 65536
 
 
@@ -50,7 +49,7 @@ class ServerState:
 
 def default_model_names(model_flag: str | None) -> tuple[str, ...]:
     """What clients call the model when --served-model-name is not given."""
-    return (model_flag or BUILTIN_MODEL_NAME,)
+    return (model_flag or DEFAULT_MODEL,)
 
 
 def create_state(
@@ -59,8 +58,9 @@ def create_state(
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
-    # The server's own tokenizer: the engine's belongs to the engine thread.
-    tokenizer = AutoTokenizer.from_pretrained(engine.config.tokenizer or engine.model_path)
+    # The server's own tokenizer (prompts, logprob tokens): the engine's belongs to the
+    # engine thread.
+    tokenizer = copy.deepcopy(engine.tokenizer)
     async_engine = AsyncEngine(
         engine,
         max_pending_requests=engine.config.max_num_seqs + settings.max_waiting_requests,

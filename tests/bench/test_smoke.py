@@ -39,9 +39,11 @@ SIZED_WORKLOADS = {
                    "--capacity-fraction", "0.5", "--chunk-tokens", "16"],
     "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
                        "--chunk-tokens", "16"],
+    "startup": ["--smoke"],
 }
 NEEDS_REDIS = ("cross-instance",)
-NO_MODEL = ("store",)  # measures the store alone (its --skip-model-kv skips the model's KV)
+# the store alone (its --skip-model-kv skips the model's KV); the built-in model's start-up
+NO_MODEL = ("store", "startup")
 ALL_WORKLOADS = (*SMOKE_WORKLOADS, *SIZED_WORKLOADS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
