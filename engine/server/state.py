@@ -14,6 +14,7 @@ from engine.builtin_models import DEFAULT_MODEL
 from engine.server.cli_args import ServerSettings
 from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
+from engine.server.prompts import PromptTokenizer
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -32,6 +33,7 @@ class ServerState:
     vocab_size: int
     max_prompts_per_request: int  # --max-prompts-per-request, at most what the queue holds
     kv_offload: tuple[str, ...]
+    prompts: PromptTokenizer
     token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,7 +65,9 @@ def create_state(
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
-    token_text = _token_text_function(copy.deepcopy(engine.tokenizer))
+    # The server's own tokenizer (prompts, logprob tokens): the engine's belongs to the
+    # engine thread.
+    tokenizer = copy.deepcopy(engine.tokenizer)
     async_engine = AsyncEngine(
         engine, max_pending_requests=settings.queue_size(engine.config.max_num_seqs), observer=metrics.requests
     )
@@ -78,13 +82,13 @@ def create_state(
         vocab_size=engine.spec.vocab_size,
         max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
-        token_text=token_text,
+        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len),
+        token_text=_token_text_function(tokenizer),
     )
 
 
 def _token_text_function(tokenizer: Any) -> Callable[[int], str]:
-    """id -> text of one token, for logprobs. `tokenizer` is the server's own copy: the
-    engine's belongs to the engine thread, and this one is used on the event loop."""
+    """id -> text of one token, for logprobs (on the event loop)."""
 
     @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)
     def token_text(token_id: int) -> str:
