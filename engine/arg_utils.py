@@ -35,7 +35,10 @@ _HELP = {
     "or redis+cluster://host:port,host:port.",
     "kv_chunk_tokens": "Tokens per stored chunk (a multiple of --block-size).",
     "kv_compress": "Compression of records below the cpu tier: lz4 or none.",
-    "kv_secret": "Shared secret: records are authenticated with HMAC-SHA256 and foreign ones rejected.",
+    "kv_secret": "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
+    "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
+    "--kv-secret-file, command lines are visible to other users.",
+    "kv_secret_file": "File holding the --kv-secret (its text without the trailing newline).",
     "kv_save_decode": "Also save chunks completed during decoding, not only prompt chunks.",
     "kv_load_timeout": "Seconds to wait for a disk/redis load before recomputing instead.",
     "kv_blend_recompute_ratio": "Blended (segmented) prompts: the fraction of the tokens with stored "

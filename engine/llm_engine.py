@@ -23,6 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
+from engine.kv_security import warn_if_shared_without_secret
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
 from engine.models import ModelSpec, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -77,6 +78,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
         self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
+        warn_if_shared_without_secret(self.config)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
@@ -136,11 +138,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             segments = split_text(prompt, separator or self.config.kv_blend_separator)
             if segments is None:
-                return self.tokenizer.encode(prompt, add_special_tokens=True)
+                return self._encode_text(prompt, True)
             prompt = segments
         if isinstance(prompt, Segments):
-            return tokenize_segments(self.tokenizer, prompt, add_special_tokens=True)
+            return tokenize_segments(self._encode_text, prompt, add_special_tokens=True)
         return list(prompt)
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(self, messages: list[dict], separator: str | None = None) -> list[int] | SegmentedTokens:
         """The chat template applied to `messages`, tokenized; segmented where the
@@ -150,7 +155,7 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             segments = split_text(text, separator)
             if segments is not None:  # the template carries its own special tokens
-                return tokenize_segments(self.tokenizer, segments, add_special_tokens=False)
+                return tokenize_segments(self._encode_text, segments, add_special_tokens=False)
         encoded = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )

@@ -14,9 +14,9 @@ segment starts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import overload
 
 MAX_SEGMENTS = 64
 
@@ -94,16 +94,18 @@ def split_text(text: str, separator: str | None) -> Segments | None:
     return Segments(parts)
 
 
-def tokenize_segments(tokenizer: Any, segments: Segments, add_special_tokens: bool) -> SegmentedTokens:
-    """Tokenize each text segment on its own (special tokens, such as a BOS, only
-    before the first when `add_special_tokens`); token-id segments are kept. Empty
-    segments are dropped."""
+def tokenize_segments(
+    encode: Callable[[str, bool], list[int]], segments: Segments, add_special_tokens: bool
+) -> SegmentedTokens:
+    """Tokenize each text segment on its own with `encode(text, add_special_tokens)`
+    (special tokens, such as a BOS, only before the first when `add_special_tokens`);
+    token-id segments are kept. Empty segments are dropped."""
     token_ids: list[int] = []
     starts: list[int] = []
     for part in segments.parts:
         if isinstance(part, str):
             first = add_special_tokens and not token_ids
-            ids = list(tokenizer.encode(part, add_special_tokens=first))
+            ids = list(encode(part, first))
         else:
             ids = list(part)
         if ids:

@@ -34,12 +34,12 @@ def test_split_text_marks_boundaries_and_drops_the_separator():
 
 
 def test_each_segment_is_tokenized_alone():
-    tokens = tokenize_segments(CharTokenizer(), Segments(["ab", "", "cd", [7, 8]]), add_special_tokens=True)
+    tokens = tokenize_segments(CharTokenizer().encode, Segments(["ab", "", "cd", [7, 8]]), add_special_tokens=True)
     assert list(tokens) == [1, 97, 98, 99, 100, 7, 8]
     assert tokens.starts == (0, 3, 5)
     assert tokens.bounds == [(0, 3), (3, 5), (5, 7)]
     assert len(tokens) == 7 and tokens[1:3] == [97, 98]
-    chat = tokenize_segments(CharTokenizer(), Segments(["ab", "cd"]), add_special_tokens=False)
+    chat = tokenize_segments(CharTokenizer().encode, Segments(["ab", "cd"]), add_special_tokens=False)
     assert list(chat) == [97, 98, 99, 100]
 
 
@@ -51,7 +51,7 @@ def test_bad_segments_are_refused():
     with pytest.raises(SegmentsError):
         Segments(["x"] * (MAX_SEGMENTS + 1))
     with pytest.raises(SegmentsError):
-        tokenize_segments(CharTokenizer(), Segments(["", []]), add_special_tokens=False)
+        tokenize_segments(CharTokenizer().encode, Segments(["", []]), add_special_tokens=False)
     with pytest.raises(SegmentsError):
         SegmentedTokens([1, 2, 3], [0, 2, 2])
 
