@@ -106,14 +106,26 @@ class LoadJob:
                 plan.append((j, slice(lo - base, hi - base), dst))
         return plan
 
-    def tokens_by_tier(self, result: LoadResult, end_token: int, geometry: ChunkGeometry) -> dict[str, int]:
-        """Tokens of [start_token, end_token) each tier delivered."""
-        out: dict[str, int] = {}
+    def tier_runs(self, result: LoadResult, end_token: int, geometry: ChunkGeometry) -> list[tuple[str, int]]:
+        """(tier, tokens) of [start_token, end_token) in token order: consecutive tokens
+        one tier delivered make one run."""
+        runs: list[tuple[str, int]] = []
         for j, tier in enumerate(result.tiers):
             lo = max(self.start_token, (self.first_chunk + j) * geometry.chunk_tokens)
             hi = min(end_token, (self.first_chunk + j + 1) * geometry.chunk_tokens)
-            if tier is not None and lo < hi:
-                out[tier] = out.get(tier, 0) + hi - lo
+            if tier is None or lo >= hi:
+                continue
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + hi - lo)
+            else:
+                runs.append((tier, hi - lo))
+        return runs
+
+    def tokens_by_tier(self, result: LoadResult, end_token: int, geometry: ChunkGeometry) -> dict[str, int]:
+        """Tokens of [start_token, end_token) each tier delivered."""
+        out: dict[str, int] = {}
+        for tier, tokens in self.tier_runs(result, end_token, geometry):
+            out[tier] = out.get(tier, 0) + tokens
         return out
 
 

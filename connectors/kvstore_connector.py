@@ -88,6 +88,7 @@ class KVStoreConnector:
         self._save_from: dict[str, int] = {}
         self._tail_done: set[str] = set()  # the prompt's tail chunk is stored or saved
         self._prefetched: set[str] = set()
+        self._load_tiers: dict[str, list[tuple[str, int]]] = {}  # take_load_tiers
         self._meta: StepMeta | None = None
 
     @classmethod
@@ -144,6 +145,10 @@ class KVStoreConnector:
             self.counters.async_loads += 1
         else:
             self._ready.append(job)
+            self._note_tiers(job)
+
+    def take_load_tiers(self, request_id: str) -> list[tuple[str, int]]:
+        return self._load_tiers.pop(request_id, [])
 
     def build_meta(self, output: ScheduledBatch) -> StepMeta:
         meta = StepMeta(loads=self._ready, saves=self._completed_chunks(output))
@@ -205,6 +210,7 @@ class KVStoreConnector:
                 del self._loading[request_id]
                 self._settle(job)
                 self._scatter(job)
+                self._note_tiers(job)
                 loaded[request_id] = job.num_tokens
         return set(), loaded
 
@@ -290,6 +296,10 @@ class KVStoreConnector:
             self.counters.loaded_tokens_by_tier[tier] += tokens
             self.counters.loaded_tokens += tokens
         self.counters.load_copy_seconds += time.perf_counter() - started
+
+    def _note_tiers(self, job: LoadJob) -> None:
+        """Keep a settled job's tier runs for `take_load_tiers`."""
+        self._load_tiers[job.request_id] = job.tier_runs(job.future.result(), job.end_token, self.geometry)
 
     def _take_pending(self, request_id: str, start: int) -> LoadJob | None:
         """The pending job if it belongs to this request at this start; else drop it."""
@@ -411,6 +421,7 @@ class KVStoreConnector:
 
     def _forget(self, request_id: str) -> None:
         self._save_from.pop(request_id, None)
+        self._load_tiers.pop(request_id, None)
         self._tail_done.discard(request_id)
         self._prefetched.discard(request_id)
         if self._pending is not None and self._pending.request_id == request_id:

@@ -327,10 +327,12 @@ class Scheduler:
             self.running.append(request)
 
     def _note_admitted(self, request: Request, num_local: int, num_external: int) -> None:
-        """Record the first admission's cache hits (device and store) and time."""
+        """Record the first admission's cache hits (device and store, by tier) and time."""
+        tiers = self.connector.take_load_tiers(request.request_id)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_local + num_external
             request.num_external_tokens = num_external
+            request.external_tiers = tiers
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 

@@ -38,7 +38,7 @@ from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
 from engine.blend.plan import ReuseSources, blend_mark, blended_block_hashes, reuse_sources
 from engine.blend.segments import SegmentedTokens
 from engine.block_pool import KVBlock
-from engine.config import EngineConfig
+from engine.config import OFFLOAD_TIERS, EngineConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
@@ -48,7 +48,9 @@ from engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 SEGMENT_ID_PREFIX = "\x00kv-segment-"  # segment prefill request ids; no client sends NUL
-SOURCES = ("device", "store", "computed")  # where a reused segment's KV was when its request came
+# where a reused segment's KV was when its request came: the device cache, a store tier
+# (loaded by its segment prefill), or nowhere (computed by its segment prefill)
+SOURCES = ("device", *OFFLOAD_TIERS, "computed")
 
 
 @dataclass
@@ -127,9 +129,9 @@ class Blender:
     def stats(self) -> dict[str, int]:
         """`kv_blend_*` counters: blended requests and their prompt tokens; tokens from
         the exact (or same-blend) prefix hit; tokens that kept their moved segment KV,
-        in all and by where the segment was when the request came (device cache, the
-        store, computed by its segment prefill); tokens computed in context; segment
-        prefills run."""
+        in all and by where the segment was when the request came (`SOURCES`: the
+        device cache, the store tier its segment prefill loaded it from, or computed by
+        that prefill); tokens computed in context; segment prefills run."""
         keys = ["kv_blend_requests", "kv_blend_prompt_tokens", "kv_blend_prefix_hit_tokens",
                 "kv_blend_reused_tokens", *(f"kv_blend_reused_tokens_{s}" for s in SOURCES),
                 "kv_blend_recomputed_tokens", "kv_blend_segment_prefills"]
@@ -314,11 +316,15 @@ class Blender:
 
 def _source(prefill: Request | None, offset: int) -> str:
     """Where the KV of a segment's token at `offset` was when its blended request came:
-    on the device (no segment prefill, or inside its device hit), in the store (loaded
-    by the prefill) or nowhere (computed by the prefill)."""
+    on the device (no segment prefill, or inside its device hit), in the store tier its
+    prefill loaded it from, or nowhere (computed by the prefill)."""
     if prefill is None:
         return "device"
-    on_device = prefill.num_cached_tokens - prefill.num_external_tokens
-    if offset < on_device:
+    position = prefill.num_cached_tokens - prefill.num_external_tokens  # the prefill's device hit
+    if offset < position:
         return "device"
-    return "store" if offset < prefill.num_cached_tokens else "computed"
+    for tier, tokens in prefill.external_tiers:
+        position += tokens
+        if offset < position:
+            return tier
+    return "computed"

@@ -93,7 +93,7 @@ BLEND_COUNTERS = {
     "kv_blend_segment_prefills": ("kvtier:blend_segment_prefills",
                                   "Segments prefilled alone (computed, or loaded from the store) for blending."),
 }
-BLEND_REUSED_PREFIX = "kv_blend_reused_tokens_"  # + where the segment's KV was: device, store, computed
+BLEND_REUSED_PREFIX = "kv_blend_reused_tokens_"  # + where the segment's KV was: device, a tier, computed
 TIER_COUNTERS = {
     "hit_tokens": ("kvtier:store_hit_tokens", "Tokens found in the tier."),
     "miss_tokens": ("kvtier:store_miss_tokens", "Tokens looked up and not found in the tier."),
@@ -217,7 +217,8 @@ class EngineStatsCollector:
         yield family
         family = CounterMetricFamily(
             "kvtier:blend_reused_tokens", "Blended prompt tokens that kept their segment's stored KV, by where "
-            "that KV was when the request came (device cache, store, computed by its segment prefill).",
+            "that KV was when the request came: device (cache), cpu, disk or redis (the tier its segment "
+            "prefill loaded it from), computed (by its segment prefill).",
             labels=["model_name", "source"])
         for key, count in stats.items():
             if key.startswith(BLEND_REUSED_PREFIX):

@@ -10,6 +10,8 @@ import pytest
 
 import engine.blend.blender as blender_module
 from engine import LLM, SamplingParams, Segments
+from engine.cli import main
+from engine.config import ConfigError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -175,3 +177,23 @@ def test_without_room_for_segments_a_request_runs_as_plain(checkpoint, options):
         plain = generate(reference, corpus.plain([0, 2, 1]))
     assert blended.outputs[0].token_ids == plain.outputs[0].token_ids
     assert stats["kv_blend_requests"] == 0
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--kv-blend-recompute-ratio", "1.5"], "--kv-blend-recompute-ratio"),
+    (["--kv-blend-recompute-ratio", "-0.1"], "--kv-blend-recompute-ratio"),
+    (["--kv-blend-recompute-ratio", "lots"], "--kv-blend-recompute-ratio"),
+    (["--kv-blend-separator", ""], "--kv-blend-separator"),
+])
+def test_bad_blend_options_are_one_line_naming_the_flag(argv, flag, capsys):
+    for command in (["generate", "--prompt", "hi"], ["serve"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--model", "builtin:tiny", *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and flag in err, err
+
+
+def test_a_ratio_out_of_range_is_refused_by_the_offline_api(checkpoint):
+    with pytest.raises(ConfigError, match="--kv-blend-recompute-ratio"):
+        make_llm(checkpoint, kv_blend_recompute_ratio=1.01)

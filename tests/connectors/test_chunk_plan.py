@@ -56,3 +56,9 @@ def test_tokens_by_tier_counts_only_tokens_past_the_hit():
     result = LoadResult(("cpu", "disk", "disk"))
     assert load.tokens_by_tier(result, 44, GEOMETRY) == {"cpu": 8, "disk": 12}
     assert load.tokens_by_tier(result, 32, GEOMETRY) == {"cpu": 8}
+
+
+def test_tier_runs_keep_token_order_and_merge_neighbours():
+    load = job(first_chunk=1, start=24, end=56, num_chunks=3)
+    assert load.tier_runs(LoadResult(("disk", "disk", "cpu")), 56, GEOMETRY) == [("disk", 24), ("cpu", 8)]
+    assert load.tier_runs(LoadResult(("cpu", "disk", "cpu")), 56, GEOMETRY) == [("cpu", 8), ("disk", 16), ("cpu", 8)]

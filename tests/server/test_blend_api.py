@@ -53,7 +53,7 @@ def test_segments_field_blends_and_answers_like_the_plain_prompt(http, offline_l
     assert value(after, "kvtier:blend_prompt_tokens") - value(before, "kvtier:blend_prompt_tokens") == len(tokens)
     assert value(after, "kvtier:blend_segment_prefills") > value(before, "kvtier:blend_segment_prefills")
     assert {s.labels["source"] for s in after["kvtier:blend_reused_tokens"].samples} == {
-        "device", "store", "computed"}
+        "device", "cpu", "disk", "redis", "computed"}
 
 
 def test_token_id_segments_are_accepted(http, offline_llm):
