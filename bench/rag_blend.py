@@ -19,12 +19,14 @@ the KL divergence of the first output token's distribution from the full prefill
 Speed: on the same engines, --ttft-queries queries of k documents of --ttft-doc-tokens
 tokens, one request at a time: each query's documents are stored first (the query is
 sent once in another order, untimed), then its TTFT blended and as a full prefill (a
-cache_salt of its own, so nothing hits), in alternating order.
+cache_salt of its own, so nothing hits), in alternating order. No order of the timed
+documents is used twice, so every timed blend is a blend, not a hit on an earlier one.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 from dataclasses import dataclass
@@ -76,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, value)
     if not 3 <= args.k <= args.documents:
         raise SystemExit("-k must be at least 3 (the timing needs three orders) and at most --documents")
+    if math.factorial(args.k) < 3 * args.ttft_queries:
+        raise SystemExit(f"--ttft-queries: at most {math.factorial(args.k) // 3} for -k {args.k} "
+                         "(each timed query needs three orders of its k documents not used by another)")
     if args.documents > len(PROJECTS):
         raise SystemExit(f"--documents: at most {len(PROJECTS)}")
     if args.threads:
@@ -252,7 +257,10 @@ def full_prefill(args: argparse.Namespace, rng: random.Random) -> tuple[QASet, l
         queries = make_queries(args.queries, args.documents, args.k, rng)
         prompts = [encode(full, q, docs) for q in queries]
         timed_docs = make_documents(tokenizer, args.k, (args.ttft_doc_tokens,) * 2, rng, args.seed + 1)
-        orders = [distinct_orders(args.k, 3, rng) for _ in range(args.ttft_queries)]
+        # no order twice across the timed queries: a blended prompt in an order sent before
+        # (whatever its question) hits that blend's blocks instead of blending
+        flat = distinct_orders(args.k, 3 * args.ttft_queries, rng)
+        orders = [flat[3 * i : 3 * i + 3] for i in range(args.ttft_queries)]
         timed = [[encode(full, Query(o, rng.choice(o)), timed_docs) for o in three] for three in orders]
         answers, logprobs, _ = answer(full, [list(p) for p in prompts], args.answer_len)
     return QASet(docs, queries, prompts, timed), answers, logprobs
