@@ -63,6 +63,8 @@ class LLMEngine:
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.model_path = model_path
         self.config = dataclasses.replace(
             config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)
