@@ -26,7 +26,7 @@ from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocat
 from engine.models import ModelSpec, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,10 @@ class LLMEngine:
         """Tokenize and queue a request. Raises ValueError subclasses for bad input."""
         if request_id in self._tracked:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise SamplingParamsError(
+                "logprobs", f"at most {self.config.max_logprobs} (--max-logprobs), got {params.logprobs}"
+            )
         token_ids = self.encode(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -181,12 +185,14 @@ class LLMEngine:
         request = tracked.request
         if request.is_finished:
             self._forget(request.request_id)
+        with_logprobs = request.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None,
+            logprobs=list(request.output_logprobs) if with_logprobs else None,
+            top_logprobs=list(request.output_top_logprobs) if with_logprobs else None,
             stop_reason=request.stop_reason,
         )
         return RequestOutput(

@@ -177,8 +177,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             if sample:
-                token_id, logprob = sampled[request.request_id]
-                request.append_output_token(token_id, logprob)
+                request.append_output_token(*sampled[request.request_id])
                 self._extend_hashes(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             status = self._stop_status(request) if sample else None

@@ -81,6 +81,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
 
 
 class DeltaTracker:
@@ -95,15 +96,18 @@ class DeltaTracker:
         text = completion.text[self._chars :]
         token_ids = completion.token_ids[self._tokens :]
         logprobs = completion.logprobs[self._tokens :] if completion.logprobs is not None else None
+        top = completion.top_logprobs[self._tokens :] if completion.top_logprobs is not None else None
         self._chars = max(self._chars, len(completion.text))
         self._tokens = len(completion.token_ids)
-        return Delta(text, token_ids, logprobs)
+        return Delta(text, token_ids, logprobs, top)
 
 
 def completion_logprobs(
     delta: Delta, token_text: TokenText, with_top: bool, text_offset: int = 0
 ) -> CompletionLogprobs | None:
-    """Legacy completions logprobs; `top_logprobs` can only hold the sampled token."""
+    """Legacy completions logprobs: per token its text, logprob and offset, and with
+    `logprobs` >= 1 a {text: logprob} map of the most likely tokens and the sampled one
+    (k + 1 entries when the sampled token is not among the k, as OpenAI and vLLM)."""
     if delta.logprobs is None:
         return None
     tokens = [token_text(t) for t in delta.token_ids]
@@ -111,23 +115,30 @@ def completion_logprobs(
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
+    top_logprobs = None
+    if with_top:
+        top_logprobs = [
+            {token_text(t): lp for t, lp in top} | {token: logprob}
+            for token, logprob, top in zip(tokens, delta.logprobs, delta.top_logprobs, strict=True)
+        ]
     return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=delta.logprobs,
-        top_logprobs=[{t: lp} for t, lp in zip(tokens, delta.logprobs, strict=True)] if with_top else None,
-        text_offset=offsets,
+        tokens=tokens, token_logprobs=delta.logprobs, top_logprobs=top_logprobs, text_offset=offsets
     )
 
 
-def chat_logprobs(delta: Delta, token_text: TokenText, with_top: bool) -> ChatLogprobs | None:
+def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict:
+    token = token_text(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(delta: Delta, token_text: TokenText) -> ChatLogprobs | None:
+    """Chat logprobs: per token its entry and `top_logprobs` most likely tokens' entries."""
     if delta.logprobs is None:
         return None
     content = []
-    for token_id, logprob in zip(delta.token_ids, delta.logprobs, strict=True):
-        token = token_text(token_id)
-        entry = {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-        top = [entry] if with_top else []
-        content.append(ChatTokenLogprob(**entry, top_logprobs=top))
+    for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=True):
+        alternatives = [_chat_token(t, lp, token_text) for t, lp in top]
+        content.append(ChatTokenLogprob(**_chat_token(token_id, logprob, token_text), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 
@@ -189,12 +200,11 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, top_logprobs: bool) -> None:
+    def __init__(self, request_id: str, model: str, token_text: TokenText) -> None:
         self._id = request_id
         self._model = model
         self._created = int(time.time())
         self._token_text = token_text
-        self._top = top_logprobs
 
     def head_chunks(self) -> list[BaseModel]:
         role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
@@ -202,7 +212,7 @@ class ChatFormat:
 
     def chunk(self, index: int, delta: Delta, finish: str | None) -> ChatCompletionChunk:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-        logprobs = chat_logprobs(delta, self._token_text, self._top)
+        logprobs = chat_logprobs(delta, self._token_text)
         return self._chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs, finish_reason=finish)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
@@ -214,7 +224,7 @@ class ChatFormat:
         choice = ChatCompletionChoice(
             index=0,
             message=ChatResponseMessage(content=delta.text),
-            logprobs=chat_logprobs(delta, self._token_text, self._top),
+            logprobs=chat_logprobs(delta, self._token_text),
             finish_reason=finish_reason(output),
         )
         return ChatCompletionResponse(

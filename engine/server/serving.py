@@ -48,12 +48,13 @@ CLIENT_CLOSED_REQUEST = 499
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
+    _check_logprobs(state, body.logprobs, "logprobs")
     token_lists = await _tokenized(state, state.prompts.encode(body.prompt, "prompt"), "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
         max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs is not None)
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
     fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
     return await _run(state, raw, body, jobs, fmt, "prompt")
@@ -63,12 +64,13 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, raw: Request
 ) -> Response:
     model = state.check_model(body.model)
+    _check_logprobs(state, body.top_logprobs, "top_logprobs")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     token_ids = await _tokenized(state, state.prompts.encode_chat(messages, "messages"), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
-    params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
-    fmt = ChatFormat(request_id, model, state.token_text, body.logprobs and bool(body.top_logprobs))
+    params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    fmt = ChatFormat(request_id, model, state.token_text)
     return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
 
 
@@ -157,6 +159,14 @@ async def _events(
     yield DONE_EVENT
 
 
+def _check_logprobs(state: ServerState, requested: int | None, param: str) -> None:
+    if requested is not None and requested > state.max_logprobs:
+        raise APIError(
+            400, f"{param}: at most {state.max_logprobs} (the server's --max-logprobs), got {requested}",
+            param=param, code="invalid_value",
+        )
+
+
 def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max_model_len: int) -> int:
     """The requested output length, else `default` (None: the rest of the context),
     capped to the context left after the prompt (at least one token: PromptTokenizer
@@ -166,7 +176,7 @@ def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max
 
 
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: bool
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     try:
         return SamplingParams(
