@@ -39,8 +39,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise SamplingParamsError("n", f"only n=1 is supported, got {self.n}")
+        if self.n < 1:
+            raise SamplingParamsError("n", f"must be >= 1, got {self.n}")
         if self.logprobs is not None and self.logprobs < 0:
             raise SamplingParamsError("logprobs", f"must be >= 0, got {self.logprobs}")
         if self.max_tokens < 1:

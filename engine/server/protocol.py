@@ -31,6 +31,7 @@ from pydantic import (
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
+MAX_N = 128  # OpenAI's bound on completions per prompt
 
 # A prompt after validation: one entry per prompt, each text or token ids.
 Prompts = list[str | list[int]]
@@ -139,7 +140,7 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Annotated[list[str], BeforeValidator(parse_stop)] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

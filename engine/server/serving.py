@@ -25,8 +25,8 @@ from engine.server.responses import (
     CompletionFormat,
     DeltaTracker,
     OutputFormat,
+    choices,
     error_event,
-    finish_reason,
     generation_error,
     json_response,
     sse,
@@ -56,7 +56,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
-    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
+    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n)
     return await _run(state, raw, body, jobs, fmt, "prompt")
 
 
@@ -70,7 +70,7 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
     params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    fmt = ChatFormat(request_id, model, state.token_text)
+    fmt = ChatFormat(request_id, model, state.token_text, body.n)
     return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
 
 
@@ -92,7 +92,7 @@ async def _run(
         if body.stream:
             await until_disconnected(raw, _translated(state, group.start(), prompt_param))
             return StreamingResponse(
-                _events(state, group, fmt, body.include_usage_in_stream),
+                _events(state, group, fmt, body.include_usage_in_stream, body.n),
                 media_type="text/event-stream", headers=SSE_HEADERS,
             )
         outputs = await until_disconnected(raw, _translated(state, _complete(group), prompt_param))
@@ -135,7 +135,7 @@ async def _tokenized(state: ServerState, work: Awaitable[T], prompt_param: str) 
 
 
 async def _events(
-    state: ServerState, group: RequestGroup, fmt: OutputFormat, include_usage: bool
+    state: ServerState, group: RequestGroup, fmt: OutputFormat, include_usage: bool, n: int
 ) -> AsyncIterator[str]:
     trackers: dict[int, DeltaTracker] = defaultdict(DeltaTracker)
     last: dict[int, RequestOutput] = {}
@@ -147,9 +147,12 @@ async def _events(
             if (error := generation_error(output)) is not None:
                 yield error_event(error)
                 continue
-            delta = trackers[index].advance(output)
-            if delta.text or delta.token_ids or output.finished:
-                yield sse(fmt.chunk(index, delta, finish_reason(output)))
+            for choice, completion in choices([output], n):
+                choice += index * n
+                delta = trackers[choice].advance(completion)
+                finish = trackers[choice].finish(completion)
+                if delta.text or delta.token_ids or finish:
+                    yield sse(fmt.chunk(choice, delta, finish))
         if include_usage:
             yield sse(fmt.usage_chunk(usage_of(list(last.values()))))
     except (EngineClosedError, EngineDeadError) as exc:  # shutdown or crash mid-stream

@@ -41,6 +41,6 @@ def test_chat_response_writes_non_finite_logprobs_as_null():
 
 def test_stream_events_write_non_finite_logprobs_as_null():
     fmt = CompletionFormat("id", "m", token_text, 1)
-    event = sse(fmt.chunk(0, DeltaTracker().advance(output()), "length"))
+    event = sse(fmt.chunk(0, DeltaTracker().advance(output().outputs[0]), "length"))
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert json.loads(event.removeprefix("data: "))["choices"][0]["logprobs"]["token_logprobs"] == expected()
