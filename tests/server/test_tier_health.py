@@ -63,6 +63,6 @@ def test_a_cpu_tier_too_small_for_a_chunk_names_its_flag(model_path):
     from engine import LLM
     from engine.config import ConfigError
 
-    with pytest.raises(ConfigError, match="^--kv-offload-cpu-size: cpu tier of 1024 bytes") as error:
+    with pytest.raises(ConfigError, match=r"^--kv-offload-cpu-size: cpu tier of 1024 bytes") as error:
         LLM(model=model_path, num_kv_blocks=16, kv_offload="cpu", kv_offload_cpu_size=1024)
     assert error.value.option == "kv_offload_cpu_size"
