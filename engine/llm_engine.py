@@ -216,6 +216,8 @@ class LLMEngine:
                 )
                 merged.append(known)
             known.new_token_ids += output.new_token_ids
+            if output.finished:  # the group finishes with its last sequence: its timings
+                known.metrics = output.metrics
         for output in by_group.values():
             group = self._groups[output.request_id]
             output.outputs = [c for c in group.completions if c is not None]

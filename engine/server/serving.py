@@ -142,9 +142,13 @@ async def _events(
     try:
         for chunk in fmt.head_chunks():
             yield sse(chunk)
+        failed: set[int] = set()  # a prompt whose sequences failed: its error is sent once
         async for index, output in group.outputs():
             last[index] = output
+            if index in failed:
+                continue
             if (error := generation_error(output)) is not None:
+                failed.add(index)
                 yield error_event(error)
                 continue
             for choice, completion in choices([output], n):

@@ -249,3 +249,12 @@ def test_an_abandoned_n_stream_frees_every_block(server):
 def _gauge(metrics: str, name: str) -> float:
     [line] = [m for m in metrics.splitlines() if m.startswith(name + "{")]
     return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("flag", ["--model", "--tokenizer"])
+def test_a_bad_model_or_tokenizer_path_is_one_line_naming_its_flag(flag, tmp_path):
+    args = [str(tmp_path)] if flag == "--model" else ["builtin:tiny", "--tokenizer", str(tmp_path / "none")]
+    result = run_cli("serve", *args, "--port", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"kvtier: error: {flag} ")
