@@ -22,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvtier",
         description="Tiered KV-cache offload for a paged-attention LLM engine.",
-        epilog="--model takes a Hugging Face checkpoint directory, a .gguf file, or a built-in "
-        f"model:\n{builtin_names_help()}",
+        epilog="MODEL (`kvtier serve MODEL`) or --model takes a Hugging Face checkpoint "
+        f"directory, a .gguf file, or a built-in model:\n{builtin_names_help()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -83,8 +83,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=defaults.port,
                        help="TCP port; 0 picks a free one, printed at startup (default: %(default)s).")
     group.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
-                       help="Model name(s) clients put in the `model` field; the first one is "
-                       "reported in responses (default: the --model value, or builtin:smollm2).")
+                       help="Model name(s) clients put in the `model` field: /v1/models lists "
+                       "them all, requests may use any, responses report the first (default: the "
+                       "MODEL value, or builtin:smollm2). Give MODEL before this flag.")
     group.add_argument("--api-key", default=_env_api_key(), metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on every /v1/ request (401 "
                        "otherwise); /health, /ready, /metrics and /version stay open "
