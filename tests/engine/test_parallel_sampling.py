@@ -87,3 +87,17 @@ def test_n_with_logprobs_and_several_prompts(llm):
             assert len(completion.logprobs) == len(completion.top_logprobs) == 4
             assert all(len(top) == 2 and top[0][0] == t for top, t in zip(completion.top_logprobs,
                                                                              completion.token_ids, strict=True))
+
+
+@pytest.mark.parametrize("offload", [(), ("cpu",)], ids=["recompute", "cpu-offload"])
+def test_sequences_survive_preemption_and_the_store(tiny_model_factory, offload):
+    """A pool too small for the n sequences at once: they preempt each other (offloaded
+    to the cpu tier or recomputed) and still equal the single greedy sequence."""
+    options = dict(kv_offload=offload, kv_offload_cpu_size="16MiB", kv_chunk_tokens=32) if offload else {}
+    with LLM(model=tiny_model_factory(), dtype="float32", num_kv_blocks=10, max_model_len=256,
+             block_size=BLOCK, max_num_seqs=4, **options) as llm:
+        [single] = llm.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        [out] = llm.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=4))
+        assert llm.stats()["num_preemptions_total"] > 0
+        assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 4
+        assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks
