@@ -117,13 +117,12 @@ def build_app(state: ServerState) -> FastAPI:
     if state.settings.enable_kv_admin:
         app.include_router(admin.router)
     settings = state.settings
-    # Added last, so it runs first: an unauthenticated body is never read.
     app.add_middleware(
         BodyLimitsMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_read_timeout,
         max_reads_per_client=settings.max_body_reads_per_client, retry_after_s=settings.retry_after,
         on_refusal=state.metrics.count_rejection,
     )
-    if settings.api_key:
+    if settings.api_key:  # added last, so it runs first: an unauthenticated body is never read
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
 
