@@ -148,7 +148,7 @@ def messages(query: Query, docs: list[Document]) -> list[dict[str, str]]:
 
 
 def encode(llm: LLM, query: Query, docs: list[Document]) -> SegmentedTokens:
-    tokens = llm.engine.encode_chat(messages(query, docs), SEPARATOR)
+    tokens = llm.engine.encode_chat(messages(query, docs), separator=SEPARATOR)
     if not isinstance(tokens, SegmentedTokens):
         raise RuntimeError("the chat template dropped the segment separators")
     return tokens

@@ -1,9 +1,16 @@
 """kvtier's LLM engine. `from engine import LLM, SamplingParams, Segments`."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from engine.blend.segments import Segments
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments", "__version__"]
+
+try:
+    __version__ = version("kvtier")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):

@@ -15,6 +15,8 @@ from tiers.pins import PinTable
 from tiers.redis_tier import RedisTier
 
 TIER_ORDER = ("cpu", "disk", "redis")
+# The option a tier's own configuration error is about (sizes are checked before).
+TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
 COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
 GiB = 1024**3
 
@@ -58,9 +60,11 @@ class StoreConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         if "disk" in self.tiers and not self.disk_path:
-            raise StoreConfigError("the disk tier needs disk_path")
+            raise StoreConfigError("the disk tier needs disk_path", "disk_path")
+        if "disk" in self.tiers and self.disk_size <= 0:
+            raise StoreConfigError(f"the disk tier needs a positive size, got {self.disk_size}", "disk_size")
         if "redis" in self.tiers and not self.redis_url:
-            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)")
+            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)", "redis_url")
         if self.compress not in COMPRESS_OPTIONS:
             raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4")
         if self.disk_fsync not in FSYNC_POLICIES:
@@ -79,7 +83,8 @@ class StoreConfig:
 
 
 def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Tier]:
-    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError."""
+    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError
+    naming the tier's option."""
     builders = {
         "cpu": lambda: CpuTier(config.cpu_size, spec.shape, spec.dtype, pins, config.pin_memory),
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync),
@@ -93,7 +98,10 @@ def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Ti
             probe_interval_s=config.redis_probe_interval_s,
         ),
     }
-    try:
-        return [builders[name]() for name in config.tiers]
-    except TierConfigError as exc:
-        raise StoreConfigError(str(exc)) from exc
+    tiers = []
+    for name in config.tiers:
+        try:
+            tiers.append(builders[name]())
+        except TierConfigError as exc:
+            raise StoreConfigError(str(exc), TIER_OPTIONS[name]) from exc
+    return tiers

@@ -197,3 +197,15 @@ def test_bad_blend_options_are_one_line_naming_the_flag(argv, flag, capsys):
 def test_a_ratio_out_of_range_is_refused_by_the_offline_api(checkpoint):
     with pytest.raises(ConfigError, match="--kv-blend-recompute-ratio"):
         make_llm(checkpoint, kv_blend_recompute_ratio=1.01)
+
+
+def test_a_segmented_request_with_n_above_one_runs_as_the_plain_prompt(checkpoint):
+    """n > 1 shares one prefill among its sequences, which a blend does not do."""
+    corpus = Corpus()
+    params = SamplingParams(max_tokens=6, temperature=0, n=2)
+    with make_llm(checkpoint) as llm:
+        out = generate(llm, corpus.segments([1, 0, 2]), params)
+        stats = blend_stats(llm)
+        plain = generate(llm, corpus.plain([1, 0, 2]))
+    assert stats["kv_blend_requests"] == 0
+    assert [c.token_ids for c in out.outputs] == [plain.outputs[0].token_ids] * 2

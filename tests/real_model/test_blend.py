@@ -29,7 +29,7 @@ def rag_chat(texts: list[str], order: list[int], question: str) -> list[dict[str
 
 
 def segmented(llm: LLM, texts: list[str], order: list[int], question: str) -> SegmentedTokens:
-    tokens = llm.engine.encode_chat(rag_chat(texts, order, question), SEPARATOR)
+    tokens = llm.engine.encode_chat(rag_chat(texts, order, question), separator=SEPARATOR)
     assert isinstance(tokens, SegmentedTokens) and len(tokens.starts) == 5
     return tokens
 

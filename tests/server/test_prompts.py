@@ -85,8 +85,8 @@ def test_segmented_prompts_equal_the_engines_own(model_path, offline_llm):
     assert asyncio.run(other.encode([text])) == [engine.encode(text)]  # no separator: one plain prompt
     assert asyncio.run(other.encode([text], separator=sep)) == [expected]
     chat = [MESSAGES[0], {"role": "user", "content": f"{TEXTS[0]}{sep}{TEXTS[1]}"}]
-    assert asyncio.run(prompts.encode_chat(chat)) == engine.encode_chat(chat, sep)
-    assert isinstance(engine.encode_chat(chat, sep), SegmentedTokens)
+    assert asyncio.run(prompts.encode_chat(chat)) == engine.encode_chat(chat, separator=sep)
+    assert isinstance(engine.encode_chat(chat, separator=sep), SegmentedTokens)
 
 
 def test_an_overlong_segmented_prompt_is_refused_from_its_prefix(prompts):
