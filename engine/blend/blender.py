@@ -86,7 +86,7 @@ class Blender:
         self.scheduler = scheduler
         self.hasher = block_hasher
         self.block_size = kv.block_size
-        self.rotary = ShiftRotary(model)
+        self._rotary: ShiftRotary | None = None  # built at the first blend: most engines never blend
         self.waiting: dict[str, _Waiting] = {}
         self.prefills: dict[bytes, _SegmentPrefill] = {}
         self._ids = itertools.count()
@@ -221,7 +221,9 @@ class Blender:
         )
         try:
             with torch.inference_mode():
-                result = blend_prefill(self.model, self.kv_cache, plan, self.rotary)
+                if self._rotary is None:
+                    self._rotary = ShiftRotary(self.model)
+                result = blend_prefill(self.model, self.kv_cache, plan, self._rotary)
         except Exception:
             dest = plan.dest_slots
             self.kv_cache[dest // self.block_size, :, :, dest % self.block_size] = 0
