@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -197,9 +198,17 @@ class CompletionRequest(_SamplingRequest):
     _no_best_of = field_validator("best_of")(only_neutral(None, 1))
     _no_suffix = field_validator("suffix")(only_neutral(None, ""))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_required(cls, data: Any) -> Any:
+        """Without segments, `prompt` is a required field (and reported as one)."""
+        if isinstance(data, dict) and data.get("prompt") is None and data.get("segments") is None:
+            raise ValidationError.from_exception_data(cls.__name__, [{"type": "missing", "loc": ("prompt",), "input": data}])
+        return data
+
     @model_validator(mode="after")
     def _prompt_or_segments(self) -> CompletionRequest:
-        if (self.prompt is None) == (self.segments is None):
+        if self.prompt is not None and self.segments is not None:
             raise ValueError("give exactly one of prompt or segments")
         return self
 

@@ -93,7 +93,7 @@ def test_a_prompt_without_the_separator_is_not_blended(http):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "both", "segments": ["a", "b"]}, None),
-    ({}, None),
+    ({}, "prompt"),  # neither: prompt is the missing field, as without segments
     ({"segments": []}, "segments"),
     ({"segments": ["text", [5, 6]]}, "segments"),
     ({"segments": "one string"}, "segments"),
