@@ -3,7 +3,7 @@ never serves anything and only costs (lookups, copying chunks out, background wr
 Output tokens/s with offload against the same engine without it (target: >= 97%).
 
 Prompt lengths are uniform in [(1 - spread) L, (1 + spread) L], so most prompts end
-inside a chunk and the connector saves their tail chunk too. The configurations run
+inside a chunk and the connector saves their tail record too. The configurations run
 interleaved over --repeats passes, every other pass in reverse order (none, cpu+disk,
 cpu+disk, none, ...: a steady drift of the machine cancels), each run on a fresh engine
 and store; a pass has prompts of its own, shared by its configurations, so
@@ -28,7 +28,7 @@ from bench.driver import random_tokens
 from bench.kv_common import STORE_CONFIGS, delta, local_redis, numeric_stats, serve, store_options
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
-from connectors.chunks import ChunkGeometry
+from connectors.planner import ChunkGeometry
 from engine import LLM, SamplingParams
 
 NAME = "zero-reuse"
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, model: str, config: str, prompts: list[list[in
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": seconds, "cpu_s": cpu_s, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "output_tok_per_cpu_s": tokens / cpu_s, "prompt_tokens": sum(map(len, measured)),
-            "prompts_with_tail": sum(geometry.tail_end(len(p)) is not None for p in measured),
+            "prompts_with_tail": sum(geometry.tail(len(p) // geometry.block_size) is not None for p in measured),
             "saved_chunks": stats.get("kv_saved_chunks", 0), "save_copy_s": stats.get("kv_save_copy_seconds", 0.0),
             "loaded_tokens": stats.get("kv_loaded_tokens", 0)}
 

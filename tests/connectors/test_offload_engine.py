@@ -174,14 +174,12 @@ def test_redis_stopped_mid_run_changes_no_output(tiny_llama, redis_factory):
         for i, doc in enumerate(docs):
             engine.add_request(f"r{i}", doc, greedy(6))
         outputs = {}
-        steps = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 4:
-                server.kill()
+            if outputs and server.proc.poll() is None:
+                server.kill()  # the first requests loaded from Redis, the others cannot
         stats = llm.stats()
     assert [outputs[f"r{i}"] for i in range(len(docs))] == expected
     assert 0 < stats["kv_loaded_tokens"] < 6 * 96

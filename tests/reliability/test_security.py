@@ -22,7 +22,6 @@ from reliability_support import (
     ColdOracle,
     FaultServer,
     Run,
-    block_hash_of,
     delta,
     drive,
     numeric_stats,
@@ -37,7 +36,8 @@ from scorecard import Scorecard
 
 from bench.redis_server import RedisServer
 from engine import LLM
-from kvstore.record import RecordCodec
+from kvstore import ChunkKey
+from kvstore.record import RecordCodec, parse_header
 from kvstore.spec import tensor_bytes
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,10 +92,10 @@ def forgeries(codec: RecordCodec, keys: list[str], genuine: list[bytes]) -> list
         kind = index % 4
         if kind == 0:
             made.append(torch.randint(0, 256, (len(genuine[index]),), dtype=torch.uint8).numpy().tobytes())
-        elif kind == 1:
-            made.append(bytes(codec.encode(block_hash_of(key), payload)))
-        elif kind == 2:
-            made.append(bytes(other.encode(block_hash_of(key), payload)))
+        elif kind in (1, 2):
+            head = parse_header(genuine[index])
+            forged_key = ChunkKey(key, head.first_block, head.block_hashes)
+            made.append(bytes((codec if kind == 1 else other).encode(forged_key, payload[: head.raw_len])))
         else:
             made.append(genuine[(index + 1) % len(genuine)])
     return made
@@ -132,10 +132,17 @@ def test_forged_records_and_raw_sets_are_rejected(
     forged = forge_redis(server, codec) if server else forge_disk(tmp_path / "kv", codec)
     with LLM(model=model_path, **options) as llm:
         run, moved = round_counters(llm, PROMPTS)
+        runs = [run]
+        # the disk scan refuses what it can tell from a record's head; a forgery past it
+        # in a prompt is read (and refused) once the prompt's earlier records are back
+        while rejected(tier(llm.engine, tiers)) < forged and len(runs) < 3:
+            assert store_of(llm.engine).drain(30)
+            runs.append(round_counters(llm, PROMPTS)[0])
         stats = tier(llm.engine, tiers)
-    wrong = wrong_outputs(run.outputs, cold(model_path, PROMPTS, MAX_TOKENS))
+    want = cold(model_path, PROMPTS, MAX_TOKENS)
+    wrong = sum(wrong_outputs(r.outputs, want) for r in runs)
     scorecard.add(
-        "security", f"forged records and raw writes ({tiers})", requests=len(PROMPTS), wrong_outputs=wrong,
+        "security", f"forged records and raw writes ({tiers})", requests=len(PROMPTS) * len(runs), wrong_outputs=wrong,
         forged_records=forged, rejected=rejected(stats), auth_failures=stats["auth_failures"],
         checksum_failures=stats["checksum_failures"], other_rejections=stats["rejected_records"],
         loaded_tokens=moved["kv_loaded_tokens"],
