@@ -56,6 +56,7 @@ MODULES = ("json", "argparse", "pathlib", "logging", "collections", "itertools",
 QUESTIONS = ("Question: which functions does this module define, and what does the first one return?",
              "Question: summarize in one sentence what this module is for.")
 WARM_UP_TOKENS = 256
+CPU_TIER_BYTES = 1024**3  # every document's records, with room to spare
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -107,8 +108,9 @@ def round_prompts(docs: list[list[int]], questions: list[list[int]], index: int)
 
 
 def pool_blocks(args: argparse.Namespace, fraction: float) -> int:
+    """Device blocks for `fraction` of the documents (with their questions and answers)."""
     per_request = args.doc_tokens + 64 + args.max_tokens
-    return math.ceil(args.num_docs * per_request * fraction / 16) + 8
+    return math.ceil(args.num_docs * per_request * fraction / 16)
 
 
 # ---- engines ---------------------------------------------------------------------------------
@@ -131,14 +133,15 @@ class Engines:
             return {"kv_offload_disk_path": str(self.workdir / "disk")}
         if tier == "redis":
             return {"kv_redis_url": self.redis_url}
-        return {}
+        return {"kv_offload_cpu_size": CPU_TIER_BYTES}
 
     def add(self, name: str, pool: float | None = None, **options) -> None:
         blocks = pool_blocks(self.args, pool or self.args.pool_fraction)
         llm = LLM(model=self.model, dtype=self.args.dtype, num_kv_blocks=blocks, max_num_seqs=1,
                   kv_chunk_tokens=self.args.chunk_tokens, **options)
         vocab = llm.engine.spec.vocab_size
-        warm_up = [[(7919 * i + 13 * j) % (vocab - 3) + 3 for j in range(WARM_UP_TOKENS)] for i in (1, 2)]
+        length = min(WARM_UP_TOKENS, self.args.doc_tokens)
+        warm_up = [[(7919 * i + 13 * j) % (vocab - 3) + 3 for j in range(length)] for i in (1, 2)]
         serve(llm.engine, warm_up, SamplingParams(max_tokens=2, temperature=0.0), 1, tag="warm-up")
         self.engines[name] = llm
 

@@ -37,7 +37,8 @@ class StoreConfig:
 
     tiers: tuple[str, ...] = ("cpu",)
     cpu_size: int = 4 * GiB
-    staging_size: int = 64 * 1024**2  # host slots of a store without the cpu tier
+    # host slots of a store without the cpu tier; with it, the slots touched up front
+    staging_size: int = 64 * 1024**2
     pin_memory: bool | None = None  # None: pinned iff CUDA is available
     disk_path: str | None = None
     disk_size: int = 32 * GiB

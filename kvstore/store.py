@@ -148,7 +148,7 @@ class TieredStore:
         self.codec = RecordCodec(spec, resolve_codec(self.config.compress, spec.itemsize), self.config.secret_bytes)
         if memory.slot_bytes < self.codec.slot_bytes:
             raise StoreConfigError(f"host slots of {memory.slot_bytes} bytes cannot hold a record")
-        memory.touch_pages()
+        memory.touch_pages(self.config.staging_size)
         self.index = BlockIndex(names, spec.blocks_per_chunk)
         self.counters = StoreCounters()
         self._closed = False
