@@ -45,9 +45,6 @@ class BlockIndex:
     def get(self, name: str) -> StoredRecord | None:
         return self._records.get(name)
 
-    def records_in(self, tier: str) -> list[StoredRecord]:
-        return [r for r in self._records.values() if tier in r.tiers]
-
     def best_tier(self, record: StoredRecord) -> str:
         return min(record.tiers, key=self._rank.__getitem__)
 

@@ -360,9 +360,6 @@ class TieredStore:
         self.memory.release(slot)
         return future
 
-    def abort(self, slot: int) -> None:
-        self.memory.abort(slot)
-
     # tensors in and out (tests, tools, benchmarks) ----------------------------------------
 
     def save(self, keys: Sequence[ChunkKey], tensors: Sequence[torch.Tensor]) -> Future[SaveResult]:
