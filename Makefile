@@ -5,6 +5,7 @@ PYTHON ?= python3
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	$(PYTHON) -m engine.cli download-model
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -22,12 +22,12 @@ from bench.driver import (
     add_engine_args,
     parse_variants,
     parse_workload_args,
-    random_tokens,
     variant_llm,
     variants_help,
 )
 from bench.profiling import profile_requests
 from bench.summary import describe_variants, later_summary, publish
+from bench.text_corpus import CorpusTokens
 
 NAME = "agent-replay"
 SMOKE = {"agents": 2, "turns": 2, "system_prompt_len": 16, "task_len": 48, "tool_output": [8, 16],
@@ -81,13 +81,13 @@ class Agent:
         return release, Turn(list(self.context), self.answer_len, f"turn {self.done}")
 
 
-def make_agents(args: argparse.Namespace, vocab: int) -> list[Agent]:
+def make_agents(args: argparse.Namespace, corpus: CorpusTokens) -> list[Agent]:
     rng = random.Random(args.seed)
-    system = random_tokens(rng, args.system_prompt_len, vocab)
+    system = corpus.take(rng, args.system_prompt_len)
     agents = []
     for a in range(args.agents):
-        task = random_tokens(rng, args.task_len, vocab)
-        outputs = [random_tokens(rng, rng.randint(*args.tool_output), vocab) for _ in range(args.turns - 1)]
+        task = corpus.take(rng, args.task_len)
+        outputs = [corpus.take(rng, rng.randint(*args.tool_output)) for _ in range(args.turns - 1)]
         pauses = [rng.uniform(*args.pause) for _ in range(args.turns - 1)]
         agents.append(Agent(system + task, outputs, pauses, args.answer_len, a * args.stagger))
     return agents
@@ -99,9 +99,9 @@ def final_context_tokens(options: dict) -> int:
     return int(options["system_prompt_len"] + options["agents"] * (options["task_len"] + growth))
 
 
-def profile(args: argparse.Namespace, vocab: int) -> dict:
+def profile(args: argparse.Namespace, corpus: CorpusTokens) -> dict:
     """The slowest path: a resumed turn whose context left the device and is recomputed."""
-    agent = make_agents(args, vocab)[0]
+    agent = make_agents(args, corpus)[0]
     prompt = agent.context + [t for out in agent.tool_outputs for t in out]
     with variant_llm(args, {}) as llm:
         return profile_requests(llm, [prompt], args.answer_len, "a last turn recomputed (context evicted)")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     result = measure_variants(NAME, argv, args, parse_variants(args.variants),
-                              lambda vocab: make_agents(args, vocab), profile)
+                              lambda corpus: make_agents(args, corpus), profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -18,20 +18,22 @@ from bench import plots
 from bench.driver import Session, Variant, run_variants
 from bench.profiling import profile_tables
 from bench.summary import render_variants, result_header, variant_summaries
+from bench.text_corpus import CorpusTokens
 
 
 def measure_variants(name: str, argv: list[str], args: argparse.Namespace, variants: Sequence[Variant],
-                     make_sessions: Callable[[int], Sequence[Session]],
-                     profile: Callable[[argparse.Namespace, int], dict]) -> dict:
-    """The result header, then every variant's runs (`make_sessions(vocab_size)` makes the
-    sessions of one run; variants interleaved over `args.repeats`) summarized under
-    "variants", and unless --no-profile `profile(args, vocab_size)` under "profile"."""
+                     make_sessions: Callable[[CorpusTokens], Sequence[Session]],
+                     profile: Callable[[argparse.Namespace, CorpusTokens], dict]) -> dict:
+    """The result header, then every variant's runs (`make_sessions(corpus)` makes the
+    sessions of one run from real text; variants interleaved over `args.repeats`)
+    summarized under "variants", and unless --no-profile `profile(args, corpus)` under
+    "profile"."""
     result = result_header(name, argv, args)
-    vocab = result["model"]["vocab_size"]
-    runs = run_variants(args, variants, lambda: make_sessions(vocab), args.repeats)
+    corpus = CorpusTokens.for_model(result["model"]["path"])
+    runs = run_variants(args, variants, lambda: make_sessions(corpus), args.repeats)
     result["variants"] = variant_summaries(runs)
     if args.profile:
-        result["profile"] = profile(args, vocab)
+        result["profile"] = profile(args, corpus)
     return result
 
 

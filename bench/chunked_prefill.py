@@ -29,11 +29,11 @@ from bench.driver import (
     engine_config,
     greedy,
     parse_workload_args,
-    random_tokens,
     variant_llm,
 )
 from bench.profiling import profile_requests, profile_sentence, render_profile
 from bench.summary import publish, result_header
+from bench.text_corpus import CorpusTokens
 from engine import LLM, LLMEngine
 
 NAME = "chunked-prefill"
@@ -102,13 +102,13 @@ def decode_tokens_needed(args: argparse.Namespace) -> int:
     return args.warmup_tokens + args.tail_tokens + args.num_long_prompts * per_insert + 1
 
 
-def measure(llm: LLM, args: argparse.Namespace, vocab: int, repeat: int) -> Trace:
+def measure(llm: LLM, args: argparse.Namespace, corpus: CorpusTokens, repeat: int) -> Trace:
     rng = random.Random(f"{args.seed}-{repeat}")
     engine = llm.engine
-    prompts = [random_tokens(rng, args.long_prompt_len, vocab) for _ in range(args.num_long_prompts)]
+    prompts = [corpus.take(rng, args.long_prompt_len) for _ in range(args.num_long_prompts)]
     plan = Insertions(args, prompts)
     trace = Trace()
-    decode_prompt = random_tokens(rng, args.decode_prompt_len, vocab)
+    decode_prompt = corpus.take(rng, args.decode_prompt_len)
     engine.add_request(DECODE_ID, decode_prompt, greedy(decode_tokens_needed(args)))
     while not plan.done(trace) and engine.has_unfinished_requests():
         prompt = plan.due(trace)
@@ -154,13 +154,13 @@ def analyse(trace: Trace) -> dict:
     }
 
 
-def run_budgets(args: argparse.Namespace, vocab: int) -> dict[str, dict]:
+def run_budgets(args: argparse.Namespace, corpus: CorpusTokens) -> dict[str, dict]:
     """Every budget once per repeat, budgets interleaved, a fresh engine each time."""
     runs: dict[str, dict] = {str(b): {"measurements": []} for b in args.budgets}
     plan = [(repeat, budget) for repeat in range(args.repeats) for budget in args.budgets]
     for repeat, budget in tqdm(plan, desc="budget x repeat", leave=False):
         with variant_llm(args, {}, max_num_batched_tokens=budget) as llm:
-            trace = measure(llm, args, vocab, repeat)
+            trace = measure(llm, args, corpus, repeat)
             runs[str(budget)]["engine_config"] = engine_config(llm)
         runs[str(budget)]["measurements"].append(analyse(trace))
     for budget, run in runs.items():
@@ -183,9 +183,9 @@ def summarize_budget(budget: int, long_prompt_len: int, measurements: list[dict]
     }
 
 
-def profile(args: argparse.Namespace, vocab: int) -> dict:
+def profile(args: argparse.Namespace, corpus: CorpusTokens) -> dict:
     """The slowest step: one whole long prompt prefilled under the largest budget."""
-    prompt = random_tokens(random.Random(f"{args.seed}-profile"), args.long_prompt_len, vocab)
+    prompt = corpus.take(random.Random(f"{args.seed}-profile"), args.long_prompt_len)
     budget = max(args.budgets)
     with variant_llm(args, {}, max_num_batched_tokens=budget) as llm:
         return profile_requests(llm, [prompt], 1, f"a {args.long_prompt_len}-token prefill, budget {budget}")
@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     result = result_header(NAME, argv, args)
-    result["budgets"] = run_budgets(args, result["model"]["vocab_size"])
+    corpus = CorpusTokens.for_model(result["model"]["path"])
+    result["budgets"] = run_budgets(args, corpus)
     if args.profile:
-        result["profile"] = profile(args, result["model"]["vocab_size"])
+        result["profile"] = profile(args, corpus)
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -18,6 +18,7 @@ WORKLOADS = {
     "agent-replay": ("bench.agent_replay", "agents whose growing contexts leave the device while they pause"),
     "throughput": ("bench.throughput", "random prompts without reuse at concurrency 1/8/32/64 vs transformers"),
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),
+    "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),
 }
 
 

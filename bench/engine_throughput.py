@@ -1,185 +1,413 @@
 """Engine vs Hugging Face transformers on the same weights, in the same process.
 
-1. Mixed batch: N prompts of random length and output length, no shared prefixes. Our
-   engine (continuous batching) vs `generate` with static batches of the same size.
-2. Prefill: one long prompt, our time to first token vs one transformers forward.
-3. Decode: ms per engine step at batch 1 and batch 32.
+Every ratio is measured within the run (engine and transformers interleaved where a
+part repeats), on real text (the plain-text pydoc of Python stdlib modules), with the
+engine's default options and torch's default threads.
+
+1. Prefill: a prompt of each --prefill-lens length; engine time to first token vs one
+   transformers forward over the same tokens (a plain forward, every position's
+   logits; and generate's prefill, the last position's only).
+2. Decode at batch 1 after a --decode-context-token prompt: engine step vs transformers
+   decode step (its KV cache), against the memory floor: the bytes a decode step has to
+   read (every weight, and the context's KV) at the memcpy bandwidth measured here.
+3. Batched decode: --batch-decode sequences of --batch-context tokens, tokens/s of both.
+4. Mixed batch: --num-prompts prompts of random length and output length; continuous
+   batching vs transformers generate in static batches of --hf-batch-size.
+5. Stream gap: a server on this engine streams a completion while a text prompt of
+   --big-prompt-bytes (under the 8 MiB body limit) is posted; the stream's longest gap
+   between tokens while that request is in flight, against its median gap.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import itertools
+import json
 import random
+import socket
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+import uvicorn
 
-from bench import plots
-from bench.common import markdown_table, median, timed
-from bench.profiling import profile_note, profile_requests, profile_tables
+from bench import hf_baselines, plots
+from bench.common import markdown_table, median
+from bench.profiling import profile_call, profile_note, profile_tables
 from bench.summary import publish, run_stamp, workload_parser
+from bench.text_corpus import MODULES, CorpusTokens, module_text
 from engine import LLM, SamplingParams
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 
 NAME = "engine"
-PROFILE_PROMPTS = 8  # the profile runs this many of the mixed batch's requests together
+COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
 ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
+PARTS = ("prefill", "decode", "decode_batch", "mixed", "stream_gap")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = workload_parser(NAME, __doc__, f"{PROFILE_PROMPTS} requests of the mixed batch")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--batch-size", type=int, default=64, help="Engine max_num_seqs and HF static batch size.")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prefill-len", type=int, default=2048)
-    p.add_argument("--decode-batches", type=int, nargs="+", default=(1, 32))
+    p = workload_parser(NAME, __doc__, "the batch-1 decode and the first prefill")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=(2000, 8000))
+    p.add_argument("--repeats", type=int, default=3, help="Prefill repeats (interleaved engine / transformers).")
+    p.add_argument("--decode-context", type=int, default=2000)
     p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--skip-hf-batch", action="store_true", help="Skip the (slow) transformers batch baseline.")
+    p.add_argument("--batch-decode", type=int, default=16)
+    p.add_argument("--batch-context", type=int, default=500)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(128, 768), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 192), metavar=("MIN", "MAX"))
+    p.add_argument("--hf-batch-size", type=int, default=16, help="Static batch size of the transformers baseline.")
+    p.add_argument("--big-prompt-bytes", type=int, default=8_000_000,
+                   help="Size of the text prompt posted during the stream.")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="The parts to run (default: all).")
+    p.add_argument("--stream-tokens", type=int, default=256, help="Tokens of the streamed completion.")
     return p.parse_args(argv)
 
 
-def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.num_prompts)]
-    outputs = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
-    return prompts, outputs
+@dataclass
+class Parts:
+    """What every part measures with: the engine, transformers, and the text."""
+
+    llm: LLM
+    hf: object
+    corpus: CorpusTokens
+    rng: random.Random
+
+    def prompt(self, length: int) -> list[int]:
+        """`length` consecutive tokens of the corpus from a random point (prompts share no
+        prefix)."""
+        return self.corpus.take(self.rng, length)
 
 
-def engine_batch(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
-    seconds, results = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    generated = sum(len(r.outputs[0].token_ids) for r in results)
-    return {"seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds}
-
-
-def hf_static_batches(model, prompts: list[list[int]], outputs: list[int], batch_size: int) -> dict:
-    """transformers generate, left-padded static batches; only requested tokens count."""
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch, lens = prompts[i : i + batch_size], outputs[i : i + batch_size]
-        width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                           do_sample=False, pad_token_id=0)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens": sum(outputs), "output_tok_s": sum(outputs) / seconds}
-
-
-def prefill(llm: LLM, model, length: int, vocab: int, repeats: int = 3) -> dict:
-    rng = random.Random(1)
-    ours, theirs = [], []
+def prefill(parts: Parts, length: int, repeats: int) -> dict:
+    """Engine TTFT and transformers forwards over the same prompt, interleaved."""
+    times: dict[str, list[float]] = {"engine": [], "hf_forward": [], "hf_last_logits": []}
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
     for _ in range(repeats):
-        prompt = [rng.randrange(3, vocab) for _ in range(length)]
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
-        ours.append(out.metrics.time_to_first_token)
-        with torch.inference_mode():
-            theirs.append(timed(lambda p=prompt: model(torch.tensor([p]), use_cache=False))[0])
-    return {"prompt_len": length, "engine_s": median(ours), "hf_forward_s": median(theirs),
-            "engine_tok_s": length / median(ours), "hf_tok_s": length / median(theirs)}
+        prompt = parts.prompt(length)
+        out = parts.llm.generate([prompt], greedy_one, use_tqdm=False)[0]
+        times["engine"].append(out.metrics.time_to_first_token)
+        times["hf_forward"].append(hf_baselines.forward_seconds(parts.hf, prompt))
+        times["hf_last_logits"].append(hf_baselines.forward_seconds(parts.hf, prompt, logits_to_keep=1))
+    result = {"prompt_len": length, **{f"{k}_s": median(v) for k, v in times.items()}, "times_s": times}
+    for key in ("hf_forward", "hf_last_logits"):
+        result[f"speedup_vs_{key}"] = result[f"{key}_s"] / result["engine_s"]
+    return result
 
 
-def decode_step_ms(llm: LLM, batch: int, steps: int, vocab: int) -> float:
-    """Median wall time of an engine step once `batch` requests are all decoding."""
+class EngineDecode:
+    """Requests decoding on the engine, stepped one step at a time by the caller."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], steps: int) -> None:
+        self.engine = llm.engine
+        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        tag = time.perf_counter_ns()
+        for i, prompt in enumerate(prompts):
+            self.engine.add_request(f"decode-{tag}-{i}", prompt, params)
+        scheduler = self.engine.scheduler
+        while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+            self.engine.step()
+
+    def step_seconds(self) -> float:
+        start = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - start
+
+    def finish(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def interleaved_decode(llm: LLM, hf, prompts: list[list[int]], steps: int,
+                       bandwidth: bool = False) -> dict[str, list[float]]:
+    """Step times of the engine and of transformers decoding `prompts`, one step of each
+    in turn (and a memcpy sample after each pair when `bandwidth`), so that both see
+    the same load on a shared machine."""
+    engine = EngineDecode(llm, prompts, steps)
+    hf_steps = hf_baselines.DecodeSteps(hf, prompts)
+    times: dict[str, list[float]] = {"engine": [], "hf": [], "memcpy_bytes_s": []}
+    copier = _Copier() if bandwidth else None
+    for _ in range(steps):
+        times["engine"].append(engine.step_seconds())
+        times["hf"].append(hf_steps.step_seconds())
+        if copier is not None:
+            times["memcpy_bytes_s"].append(copier.bytes_per_second())
+    engine.finish()
+    return times
+
+
+class _Copier:
+    """memcpy bandwidth samples: bytes per second that torch copies between two buffers
+    far larger than any cache."""
+
+    def __init__(self) -> None:
+        self.src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+
+    def bytes_per_second(self) -> float:
+        start = time.perf_counter()
+        self.dst.copy_(self.src)
+        return COPY_BYTES / (time.perf_counter() - start)
+
+
+def decode_floor_bytes(llm: LLM, context: int) -> dict[str, int]:
+    """What one batch-1 decode step reads at least: every weight once (the tied embedding
+    is the output projection's) and the K and V of the whole context in every layer."""
     engine = llm.engine
-    rng = random.Random(2)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"decode-{batch}-{i}", [rng.randrange(3, vocab) for _ in range(128)], params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    times = [timed(engine.step)[0] for _ in range(steps)]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1000 * median(times)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = context * engine.block_bytes // engine.config.block_size
+    return {"weights": weights, "kv": kv}
+
+
+def decode_single(parts: Parts, context: int, steps: int) -> dict:
+    times = interleaved_decode(parts.llm, parts.hf, [parts.prompt(context)], steps, bandwidth=True)
+    engine_ms, hf_ms = 1000 * median(times["engine"]), 1000 * median(times["hf"])
+    bandwidth = median(times["memcpy_bytes_s"])
+    floor_bytes = decode_floor_bytes(parts.llm, context)
+    floor_ms = 1000 * sum(floor_bytes.values()) / bandwidth
+    return {"context": context, "engine_ms": engine_ms, "hf_ms": hf_ms, "floor_ms": floor_ms,
+            "floor_bytes": floor_bytes, "memcpy_gb_s": bandwidth / 1e9,
+            "engine_over_floor": engine_ms / floor_ms, "speedup_vs_hf": hf_ms / engine_ms}
+
+
+def decode_batch(parts: Parts, batch: int, context: int, steps: int) -> dict:
+    times = interleaved_decode(parts.llm, parts.hf, [parts.prompt(context) for _ in range(batch)], steps)
+    engine_s, hf_s = median(times["engine"]), median(times["hf"])
+    return {"batch": batch, "context": context, "engine_tok_s": batch / engine_s, "hf_tok_s": batch / hf_s,
+            "speedup_vs_hf": hf_s / engine_s}
+
+
+def mixed_batch(parts: Parts, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    prompts = [parts.prompt(rng.randint(*args.prompt_len)) for _ in range(args.num_prompts)]
+    outputs = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
+    start = time.perf_counter()
+    results = parts.llm.generate(prompts, params, use_tqdm=False)
+    engine_s = time.perf_counter() - start
+    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    hf_s = hf_baselines.static_batches(parts.hf, prompts, outputs, args.hf_batch_size).wall_s
+    return {"requests": len(prompts), "output_tokens": generated, "engine_s": engine_s, "hf_s": hf_s,
+            "engine_tok_s": generated / engine_s, "hf_tok_s": sum(outputs) / hf_s, "speedup_vs_hf": hf_s / engine_s}
+
+
+def stream_gap(llm: LLM, stream_prompt: list[int], args: argparse.Namespace) -> dict:
+    """Serve `llm`'s engine; the longest gap of a streamed completion while a big text
+    prompt is posted. The engine belongs to the server afterwards."""
+    from engine.server.api_server import build_app
+    from engine.server.cli_args import ServerSettings
+    from engine.server.state import create_state
+
+    settings = ServerSettings(log_level="warning")
+    state = create_state(llm.engine, settings, ("bench",))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    serving.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        return _measure_gap(port, llm.tokenizer.decode(stream_prompt), _big_prompt(settings, args), args)
+    finally:
+        server.should_exit = True
+        serving.join()
+
+
+def _big_prompt(settings, args: argparse.Namespace) -> str:
+    """Real text of --big-prompt-bytes characters whose request body fits the body limit."""
+    chunk = "\n".join(module_text(m) for m in MODULES)
+    text = (chunk * (args.big_prompt_bytes // len(chunk) + 1))[: args.big_prompt_bytes]
+    while len(json.dumps({"prompt": text})) > settings.max_request_bytes - 1024:
+        text = text[: len(text) * 95 // 100]
+    return text
+
+
+def _measure_gap(port: int, stream_prompt: str, big_prompt: str, args: argparse.Namespace) -> dict:
+    events: list[float] = []
+    streaming = threading.Thread(target=_stream, args=(port, stream_prompt, args.stream_tokens, events))
+    streaming.start()
+    while len(events) < 16 and streaming.is_alive():
+        time.sleep(0.01)
+    body = json.dumps({"model": "bench", "prompt": big_prompt, "max_tokens": 4}).encode()
+    sent = time.perf_counter()
+    status, answer = _post(port, body)
+    answered = time.perf_counter()
+    streaming.join()
+    gaps = list(itertools.pairwise(events))
+    during = [b - a for a, b in gaps if b >= sent and a <= answered]
+    others = [b - a for a, b in gaps if b < sent or a > answered]
+    code = json.loads(answer).get("error", {}).get("code") if status != 200 else None
+    return {"prompt_bytes": len(big_prompt.encode()), "status": status, "error_code": code,
+            "request_s": answered - sent, "longest_gap_ms": 1000 * max(during, default=0.0),
+            "median_gap_ms": 1000 * median(others), "stream_tokens": len(events)}
+
+
+def _stream(port: int, prompt: str, max_tokens: int, events: list[float]) -> None:
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    for line in response:
+        if line.startswith(b"data: {"):
+            events.append(time.perf_counter())
+    connection.close()
+
+
+def _post(port: int, body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = response.read()
+    connection.close()
+    return response.status, answer
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    path = args.model or default_model_path()
-    llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.batch_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    vocab = llm.engine.spec.vocab_size
-    prompts, outputs = make_workload(args, vocab)
+    path = resolve_model(args.model)
+    llm = LLM(model=path, dtype=args.dtype)
+    hf = hf_baselines.load_model(path, args.dtype)
+    parts = Parts(llm, hf, CorpusTokens(llm.tokenizer), random.Random(args.seed))
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": path}
-    result["engine_batch"] = engine_batch(llm, prompts, outputs)
-    if not args.skip_hf_batch:
-        result["hf_batch"] = hf_static_batches(hf, prompts, outputs, args.batch_size)
-    result["prefill"] = prefill(llm, hf, args.prefill_len, vocab)
-    result["decode_ms"] = {str(b): decode_step_ms(llm, b, args.decode_steps, vocab) for b in args.decode_batches}
+    llm.generate([parts.prompt(64)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    if "prefill" in args.parts:
+        result["prefill"] = [prefill(parts, n, args.repeats) for n in args.prefill_lens]
+    if "decode" in args.parts:
+        result["decode"] = decode_single(parts, args.decode_context, args.decode_steps)
+    if "decode_batch" in args.parts:
+        result["decode_batch"] = decode_batch(parts, args.batch_decode, args.batch_context, args.decode_steps)
+    if "mixed" in args.parts:
+        result["mixed"] = mixed_batch(parts, args)
     if args.profile:
-        n = min(PROFILE_PROMPTS, len(prompts))
-        result["profile"] = profile_requests(llm, prompts[:n], int(median(outputs[:n])),
-                                             f"{n} requests of the mixed batch together")
+        result["profile"] = profile_parts(parts, args)
+    if "stream_gap" in args.parts:
+        result["stream_gap"] = stream_gap(llm, parts.prompt(2000), args)
     plot(result)
     publish(NAME, result, render(result))
     return 0
 
 
+def profile_parts(parts: Parts, args: argparse.Namespace) -> dict:
+    """torch.profiler runs of the first prefill length and of batch-1 decode steps."""
+    length = args.prefill_lens[0]
+    prompt = parts.prompt(length)
+    run = profile_call(lambda: parts.llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0),
+                                                  use_tqdm=False))
+    run.update(label=f"a {length}-token prefill", requests=1, prompt_tokens=length, output_tokens=1)
+    context = parts.prompt(args.decode_context)
+    steps = EngineDecode(parts.llm, [context], args.decode_steps)
+    decode = profile_call(lambda: [steps.step_seconds() for _ in range(args.decode_steps)])
+    steps.finish()
+    decode.update(label=f"{args.decode_steps} batch-1 decode steps after {args.decode_context} tokens", requests=1,
+                  prompt_tokens=args.decode_context, output_tokens=args.decode_steps)
+    return {"prefill": run, "decode": decode}
+
+
 def render(result: dict) -> str:
-    eng, pre = result["engine_batch"], result["prefill"]
-    rows = [[ENGINE, eng["seconds"], eng["output_tok_s"], 1.0]]
-    if "hf_batch" in result:
-        hf = result["hf_batch"]
-        rows.append([HF, hf["seconds"], hf["output_tok_s"],
-                     hf["output_tok_s"] / eng["output_tok_s"]])
-        rows[0][3] = eng["output_tok_s"] / hf["output_tok_s"]
-    text = "Mixed batch (ratio column: engine / transformers)\n\n"
-    text += markdown_table(["system", "seconds", "output tok/s", "ratio"], rows)
-    text += f"\nPrefill of {pre['prompt_len']} tokens\n\n"
-    text += markdown_table(
-        ["system", "seconds", "tok/s"],
-        [["engine TTFT", pre["engine_s"], pre["engine_tok_s"]], ["transformers forward", pre["hf_forward_s"], pre["hf_tok_s"]]],
+    sections = [_render_prefill, _render_decode, _render_decode_batch, _render_mixed, _render_stream_gap]
+    text = "\n".join(fn(result[part]) for part, fn in zip(PARTS, sections, strict=True) if part in result)
+    for part in ("prefill", "decode"):
+        if "profile" in result:
+            text += profile_tables({"profile": result["profile"][part]})
+    return text
+
+
+def _render_prefill(prefills: list[dict]) -> str:
+    text = "Prefill (speedup: transformers seconds / engine seconds, median of the interleaved repeats)\n\n"
+    return text + markdown_table(
+        ["prompt tokens", "engine TTFT s", "transformers forward s", "speedup", "forward, last logits only s",
+         "speedup"],
+        [[p["prompt_len"], p["engine_s"], p["hf_forward_s"], p["speedup_vs_hf_forward"], p["hf_last_logits_s"],
+          p["speedup_vs_hf_last_logits"]] for p in prefills],
     )
-    text += f"\nprefill ratio engine/transformers: {pre['engine_tok_s'] / pre['hf_tok_s']:.2f}\n"
-    text += "\nDecode step\n\n" + markdown_table(["batch", "ms/step"], [[b, ms] for b, ms in result["decode_ms"].items()])
-    return text + profile_tables(result)
+
+
+def _render_decode(d: dict) -> str:
+    text = (f"Decode at batch 1 after {d['context']} tokens (memory floor: {d['floor_bytes']['weights'] / 1e6:.0f} MB "
+            f"of weights + {d['floor_bytes']['kv'] / 1e6:.0f} MB of KV at the {d['memcpy_gb_s']:.1f} GB/s memcpy "
+            "measured in this run)\n\n")
+    return text + markdown_table(["system", "ms/token", "x floor"], [
+        ["engine", d["engine_ms"], d["engine_over_floor"]], ["transformers", d["hf_ms"], d["hf_ms"] / d["floor_ms"]],
+        ["memory floor", d["floor_ms"], 1.0]])
+
+
+def _render_decode_batch(b: dict) -> str:
+    text = f"Decode of {b['batch']} sequences after {b['context']} tokens each\n\n"
+    return text + markdown_table(["system", "tokens/s", "speedup"], [
+        ["engine", b["engine_tok_s"], b["speedup_vs_hf"]], ["transformers", b["hf_tok_s"], 1.0]])
+
+
+def _render_mixed(m: dict) -> str:
+    text = f"Mixed batch of {m['requests']} requests ({m['output_tokens']} output tokens)\n\n"
+    return text + markdown_table(["system", "seconds", "output tok/s", "speedup"], [
+        [ENGINE, m["engine_s"], m["engine_tok_s"], m["speedup_vs_hf"]], [HF, m["hf_s"], m["hf_tok_s"], 1.0]])
+
+
+def _render_stream_gap(g: dict) -> str:
+    text = (f"Stream gap while a {g['prompt_bytes'] / 1e6:.1f} MB text prompt is posted (answered "
+            f"{g['status']} {g['error_code'] or ''} in {g['request_s']:.2f} s)\n\n")
+    return text + markdown_table(["longest gap ms", "median gap ms (rest of the stream)", "stream tokens"],
+                                 [[g["longest_gap_ms"], g["median_gap_ms"], g["stream_tokens"]]])
 
 
 def plot(result: dict) -> None:
-    systems = {ENGINE: result["engine_batch"], **({HF: result["hf_batch"]} if "hf_batch" in result else {})}
-    pre = result["prefill"]
-    batches = [int(b) for b in result["decode_ms"]]
-    step_ms = list(result["decode_ms"].values())
-    plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("Mixed batch", "", "output tokens/s", ["engine", "transformers"][: len(systems)],
-                    plots.columns(systems, {"output tok/s": "output_tok_s"}), kind="bar"),
-        plots.Panel(f"Prefill of {pre['prompt_len']} tokens", "", "tokens/s", ["engine TTFT", "transformers forward"],
-                    {"tok/s": [pre["engine_tok_s"], pre["hf_tok_s"]]}, kind="bar"),
-        plots.Panel("Decode step", "requests decoding", "ms", batches,
-                    {"per step": step_ms, "per request": [ms / b for ms, b in zip(step_ms, batches, strict=True)]},
-                    logy=True),
-    ], "Engine vs transformers, same weights, same process")
+    panels = []
+    if "prefill" in result:
+        pre = result["prefill"]
+        lens = [p["prompt_len"] for p in pre]
+        panels.append(plots.Panel("Prefill", "prompt tokens", "tokens/s", lens, {
+            "engine": [n / p["engine_s"] for n, p in zip(lens, pre, strict=True)],
+            "transformers forward": [n / p["hf_forward_s"] for n, p in zip(lens, pre, strict=True)]}))
+    if "decode" in result:
+        d = result["decode"]
+        panels.append(plots.Panel(f"Decode, batch 1, {d['context']} context", "", "ms/token",
+                                  ["engine", "transformers", "memory floor"],
+                                  {"ms": [d["engine_ms"], d["hf_ms"], d["floor_ms"]]}, kind="bar"))
+    throughput = {f"decode x{result['decode_batch']['batch']}": result["decode_batch"]} if "decode_batch" in result else {}
+    if "mixed" in result:
+        throughput["mixed batch"] = result["mixed"]
+    if throughput:
+        panels.append(plots.Panel("Throughput", "", "tokens/s", list(throughput), {
+            "engine": [t["engine_tok_s"] for t in throughput.values()],
+            "transformers": [t["hf_tok_s"] for t in throughput.values()]}, kind="bar"))
+    if panels:
+        plots.save_figure(plots.png_path(NAME), panels, "Engine vs transformers, same weights, same process")
 
 
 def describe(result: dict) -> str:
     """What the numbers say, computed from them (a paragraph of docs/BENCHMARKS.md)."""
-    args, eng, pre = result["args"], result["engine_batch"], result["prefill"]
-    text = (f"Mixed batch of {args['num_prompts']} requests (prompts of {args['prompt_len'][0]}-{args['prompt_len'][1]} "
-            f"tokens, outputs of {args['output_len'][0]}-{args['output_len'][1]}): the engine produced "
-            f"{eng['output_tok_s']:.0f} output tok/s")
-    if "hf_batch" in result:
-        hf = result["hf_batch"]
-        text += f" against {hf['output_tok_s']:.0f} for transformers ({eng['output_tok_s'] / hf['output_tok_s']:.2f}x)"
-        if eng["output_tok_s"] > hf["output_tok_s"]:
-            text += (f": a static batch of {args['batch_size']} decodes until its longest output with its finished "
-                     "rows still in it, while continuous batching gives a finished request's seat to a waiting one")
-    text += (f". Prefill of {pre['prompt_len']} tokens: engine TTFT {1000 * pre['engine_s']:.0f} ms, one transformers "
-             f"forward {1000 * pre['hf_forward_s']:.0f} ms (engine at {100 * pre['engine_tok_s'] / pre['hf_tok_s']:.0f}% "
-             "of transformers' tokens/s; the same matmuls, plus the engine's KV writes, paged attention, sampling "
-             "and scheduling). ")
-    decode = {int(b): ms for b, ms in result["decode_ms"].items()}
-    small, large = min(decode), max(decode)
-    if large > small:
-        text += (f"Decode: a step takes {decode[small]:.1f} ms with {small} request(s) and {decode[large]:.0f} ms with "
-                 f"{large}, {decode[large] / large:.1f} ms per request: batching makes a token "
-                 f"{decode[small] / small / (decode[large] / large):.1f}x cheaper, since a step reads the weights once "
-                 "for the whole batch. ")
-    return (text + profile_note(result)).strip()
+    text = ""
+    if "prefill" in result:
+        pre = ", ".join(f"{p['speedup_vs_hf_forward']:.2f}x at {p['prompt_len']} tokens "
+                        f"({p['speedup_vs_hf_last_logits']:.2f}x against a forward computing the last logits only)"
+                        for p in result["prefill"])
+        text += f"Prefill: the engine's time to first token against one transformers forward over the same tokens: {pre}. "
+    if "decode" in result:
+        d = result["decode"]
+        text += (f"Decode at batch 1 after {d['context']} tokens: {d['engine_ms']:.1f} ms a token, "
+                 f"{d['engine_over_floor']:.2f}x the memory floor of {d['floor_ms']:.1f} ms "
+                 f"({d['speedup_vs_hf']:.2f}x transformers' {d['hf_ms']:.1f} ms). ")
+    if "decode_batch" in result:
+        b = result["decode_batch"]
+        text += (f"{b['batch']} sequences decoding: {b['engine_tok_s']:.0f} tokens/s, "
+                 f"{b['speedup_vs_hf']:.2f}x transformers. ")
+    if "mixed" in result:
+        text += (f"The mixed batch: {result['mixed']['speedup_vs_hf']:.2f}x transformers' static batches (a static "
+                 "batch decodes until its longest output with its finished rows still in it; continuous batching "
+                 "gives a finished request's seat to a waiting one). ")
+    if "stream_gap" in result:
+        g = result["stream_gap"]
+        text += (f"While a {g['prompt_bytes'] / 1e6:.1f} MB prompt was posted (answered {g['status']} in "
+                 f"{g['request_s']:.2f} s), the stream's longest gap was {g['longest_gap_ms']:.0f} ms against a "
+                 f"median of {g['median_gap_ms']:.0f} ms. ")
+    if "profile" in result:
+        text += " ".join(profile_note({"profile": result["profile"][part]}) for part in ("prefill", "decode"))
+    return text.strip()

@@ -223,7 +223,7 @@ def _random_cache(num_blocks: int, layers: int = 8) -> torch.Tensor:
 def check_engine(args: argparse.Namespace) -> Result:
     from transformers import AutoConfig
 
-    from engine.builtin_model import make_model
+    from engine.random_model import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(tmp, preset="tiny")

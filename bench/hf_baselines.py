@@ -1,16 +1,20 @@
 """Hugging Face transformers on the same weights: the baselines of the engine workloads.
 
+- `forward_seconds`: one forward over a prompt without a KV cache (the prefill baseline).
+- `DecodeSteps`: greedy decode steps of a batch of equal-length prompts with
+  transformers' KV cache, after their prefill (the decode baselines).
 - `static_batches`: `model.generate` on left-padded batches of `batch_size` prompts; a
-  batch starts when the previous one has finished (static batching). TTFT is measured
-  from the batch start to the first call of the logits processors, i.e. after prefill.
+  batch starts when the previous one has finished (static batching), and runs until its
+  longest requested output. TTFT is measured from the batch start to the first call of
+  the logits processors, i.e. after prefill.
 - `continuous_batching`: transformers' own continuous batching (the
   `ContinuousBatchingManager` behind `model.generate_batch`) driven by `concurrency`
   closed-loop clients, each sending its next prompt when its previous answer is done.
   TTFT is the first token's timestamp minus the submit time. It runs on CPU (paged
   cache with the SDPA/eager paged attention; flash attention and CUDA graphs are off).
 
-Both force exactly `max_tokens` greedy tokens per prompt (EOS ignored), as the engine
-workloads do, warm up first as the engine does, and return a `bench.driver.Run` (no
+Both force exactly `max_tokens` greedy tokens per prompt (EOS ignored; a static batch
+counts only each prompt's own), as the engine workloads do, warm up first as the engine does, and return a `bench.driver.Run` (no
 prefix hits: neither keeps a cache across requests here) timed over the requests alone
 (model loading, cache allocation and warm-up excluded).
 """
@@ -24,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -44,7 +49,7 @@ WARMUP_PROMPT = [5] * 16
 def load_model(path: str, dtype: str) -> PreTrainedModel:
     """The model in eval mode, after one short generate call (first-call costs paid)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    _static_batch(model, [WARMUP_PROMPT], 2, "")
+    _static_batch(model, [WARMUP_PROMPT], [2], "")
     return model
 
 
@@ -60,27 +65,59 @@ class _FirstTokenClock(LogitsProcessor):
         return scores
 
 
-def static_batches(model: PreTrainedModel, prompts: Sequence[list[int]], max_tokens: int, batch_size: int, tag: str = "") -> Run:
+def forward_seconds(model: PreTrainedModel, token_ids: list[int], logits_to_keep: int = 0) -> float:
+    """Wall time of one forward over `token_ids` without a KV cache: every position's
+    logits (0, a plain forward) or only the last `logits_to_keep` (generate's prefill)."""
+    ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids, use_cache=False, logits_to_keep=logits_to_keep)
+        return time.perf_counter() - start
+
+
+class DecodeSteps:
+    """Greedy decoding of a batch of equal-length prompts (so no padding) with
+    transformers' KV cache, one step per call after their prefill."""
+
+    def __init__(self, model: PreTrainedModel, prompts: Sequence[list[int]]) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            self.logits = model(torch.tensor(prompts), cache=self.cache, use_cache=True, logits_to_keep=1).logits
+
+    def step_seconds(self) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.logits = self.model(self.logits[:, -1:].argmax(-1), cache=self.cache, use_cache=True).logits
+            return time.perf_counter() - start
+
+
+def static_batches(model: PreTrainedModel, prompts: Sequence[list[int]], max_tokens: int | Sequence[int],
+                   batch_size: int, tag: str = "") -> Run:
+    """`max_tokens`: one output length for every prompt, or one per prompt."""
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     records: list[Record] = []
     start, cpu_start = time.perf_counter(), time.process_time()
     batches = range(0, len(prompts), batch_size)
     for first in tqdm(batches, desc=f"transformers generate batch={batch_size}", leave=False):
-        records += _static_batch(model, prompts[first : first + batch_size], max_tokens, tag)
+        rows = slice(first, first + batch_size)
+        records += _static_batch(model, prompts[rows], lengths[rows], tag)
     return Run(records, time.perf_counter() - start, time.process_time() - cpu_start)
 
 
-def _static_batch(model: PreTrainedModel, batch: Sequence[list[int]], max_tokens: int, tag: str) -> list[Record]:
+def _static_batch(model: PreTrainedModel, batch: Sequence[list[int]], lengths: Sequence[int], tag: str) -> list[Record]:
     width = max(map(len, batch))
     ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     clock = _FirstTokenClock()
+    longest = max(lengths)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                        do_sample=False, pad_token_id=PAD_ID, logits_processor=LogitsProcessorList([clock]))
     end = time.perf_counter()
     ttft = (clock.first or end) - start
-    return [_record(tag, i, len(p), max_tokens, ttft, end - start) for i, p in enumerate(batch)]
+    return [_record(tag, i, len(p), n, ttft, end - start) for i, (p, n) in enumerate(zip(batch, lengths, strict=True))]
 
 
 def continuous_batching(model: PreTrainedModel, prompts: Sequence[list[int]], max_tokens: int, concurrency: int,

@@ -51,7 +51,7 @@ from bench.kv_common import (
 )
 from bench.summary import publish, run_stamp
 from engine import LLM, SamplingParams
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 
 ROUND_ORDERS = ("in order", "same order", "reverse")
 REFERENCE = "device-hit"  # the engine whose pool holds every document
@@ -268,7 +268,7 @@ FLOOR_TARGET, SPEEDUP_TARGET = 1.5, 10  # TTFT / floor at most; no-offload TTFT 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv or [])
-    model = args.model or default_model_path()
+    model = resolve_model(args.model)
     probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16)
     vocab, block_bytes = probe.engine.spec.vocab_size, probe.engine.block_bytes
     probe.close()

@@ -22,12 +22,12 @@ from bench.driver import (
     add_engine_args,
     parse_variants,
     parse_workload_args,
-    random_tokens,
     variant_llm,
     variants_help,
 )
 from bench.profiling import profile_requests
 from bench.summary import describe_variants, publish
+from bench.text_corpus import CorpusTokens
 
 NAME = "multi-round-qa"
 SMOKE = {"users": 2, "rounds": 2, "system_prompt_len": 32, "history_len": 48, "question_len": 8,
@@ -80,20 +80,20 @@ class User:
         return max(due, now), Turn(list(self.context), self.answer_len, f"round {self.asked}")
 
 
-def make_users(args: argparse.Namespace, vocab: int) -> list[User]:
+def make_users(args: argparse.Namespace, corpus: CorpusTokens) -> list[User]:
     rng = random.Random(args.seed)
-    system = random_tokens(rng, args.system_prompt_len, vocab)
+    system = corpus.take(rng, args.system_prompt_len)
     users = []
     for u in range(args.users):
-        history = random_tokens(rng, args.history_len, vocab)
-        questions = [random_tokens(rng, args.question_len, vocab) for _ in range(args.rounds)]
+        history = corpus.take(rng, args.history_len)
+        questions = [corpus.take(rng, args.question_len) for _ in range(args.rounds)]
         users.append(User(u, system + history, questions, args.answer_len, args.users / args.qps, u / args.qps))
     return users
 
 
-def profile(args: argparse.Namespace, vocab: int) -> dict:
+def profile(args: argparse.Namespace, corpus: CorpusTokens) -> dict:
     """The slowest path: a round whose context has left the device and is recomputed."""
-    user = make_users(args, vocab)[0]
+    user = make_users(args, corpus)[0]
     with variant_llm(args, {}) as llm:
         return profile_requests(llm, [user.context + user.questions[0]], args.answer_len,
                                 "one round recomputed (history not cached)")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     result = measure_variants(NAME, argv, args, parse_variants(args.variants),
-                              lambda vocab: make_users(args, vocab), profile)
+                              lambda corpus: make_users(args, corpus), profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -29,11 +29,11 @@ from bench.driver import (
     Variant,
     add_engine_args,
     parse_workload_args,
-    random_tokens,
     variant_llm,
 )
 from bench.profiling import profile_requests
 from bench.summary import describe_variants, publish
+from bench.text_corpus import CorpusTokens
 
 NAME = "rag"
 FIRST = "first"
@@ -84,24 +84,24 @@ class QueryStream:
         return now, Turn(prompt, self.answer_len, tag)
 
 
-def make_queries(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
+def make_queries(args: argparse.Namespace, corpus: CorpusTokens) -> list[tuple[str, list[int]]]:
     rng = random.Random(args.seed)
-    system = random_tokens(rng, args.system_prompt_len, vocab)
-    corpus = [random_tokens(rng, args.doc_len, vocab) for _ in range(args.documents)]
+    system = corpus.take(rng, args.system_prompt_len)
+    docs = [corpus.take(rng, args.doc_len) for _ in range(args.documents)]
     picks = [rng.sample(range(args.documents), args.k) for _ in range(args.queries)]
     orders = [(FIRST, p) for p in picks] + [("repeat", p) for p in picks]
     for i, p in enumerate(picks):
         orders.append(("swap last two", [*p[:-2], p[-1], p[-2]]) if i % 2 else ("reversed", p[::-1]))
 
-    def prompt(docs: list[int]) -> list[int]:
-        return system + [t for d in docs for t in corpus[d]] + random_tokens(rng, args.question_len, vocab)
+    def prompt(picked: list[int]) -> list[int]:
+        return system + [t for d in picked for t in docs[d]] + corpus.take(rng, args.question_len)
 
-    return [(tag, prompt(docs)) for tag, docs in orders]
+    return [(tag, prompt(picked)) for tag, picked in orders]
 
 
-def profile(args: argparse.Namespace, vocab: int) -> dict:
+def profile(args: argparse.Namespace, corpus: CorpusTokens) -> dict:
     """The slowest path: a query none of whose documents is found (a full prefill)."""
-    _, prompt = make_queries(args, vocab)[0]
+    _, prompt = make_queries(args, corpus)[0]
     with variant_llm(args, VARIANTS["no-offload"]) as llm:
         return profile_requests(llm, [prompt], args.answer_len, "a query with nothing cached")
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.k < 3:
         raise SystemExit("-k must be at least 3 (the reordered phase swaps the last two documents)")
     result = measure_variants(NAME, argv, args, variants(args),
-                              lambda vocab: [QueryStream(make_queries(args, vocab), args.answer_len)], profile)
+                              lambda corpus: [QueryStream(make_queries(args, corpus), args.answer_len)], profile)
     plot(result)
     publish(NAME, result, render(result))
     return 0

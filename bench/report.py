@@ -28,7 +28,7 @@ from bench import common, plots
 from bench.cli import WORKLOADS
 
 SECTION_ORDER = ("engine", "store", "long-doc-qa", "multi-round-qa", "rag", "agent-replay", "throughput",
-                 "zero-reuse", "preemption", "chunked-prefill", "cross-instance")
+                 "zero-reuse", "preemption", "chunked-prefill", "cross-instance", "startup")
 INTRO = """\
 # Benchmarks
 
@@ -48,9 +48,10 @@ report CPU time, which counts the work done whatever else runs. Comparisons are 
 inside one command: the variants run on the same model in the same process, one after
 another (interleaved across repeats where a workload has `--repeats`), and percentiles
 pool every request of a variant. With tens of requests per group, a p99 is close to the
-maximum. The built-in model has random weights: its text is meaningless, its cost and
-cache behaviour are those of a real 8-layer Llama (hidden 512, 2 KV heads), run in bf16.
-No GPU was available: every number is a CPU number.
+maximum. The model is the built-in SmolLM2-135M-Instruct (30 layers, hidden 576, 9 heads,
+3 KV heads of 64; 23 KB of bf16 KV per token), run in bf16 unless a section says
+otherwise, on prompts of real text (the pydoc pages of Python standard-library modules,
+bench/text_corpus.py). No GPU was available: every number is a CPU number.
 """
 
 

@@ -368,9 +368,9 @@ def model_kv_chunks(spec: ChunkSpec, tokens: int) -> torch.Tensor:
     in chunk layout [chunks, blocks, layers, 2, block, heads, head_dim]."""
     from transformers import AutoModelForCausalLM
 
-    from engine.builtin_model import default_model_path
+    from engine.builtin_models import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
     ids = torch.randint(
         3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)
     )

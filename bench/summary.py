@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import os
 import platform
 import shlex
@@ -29,7 +28,8 @@ from pathlib import Path
 from bench.common import machine_info, markdown_table, median, percentile, write_result
 from bench.driver import Record, Run
 from bench.profiling import profile_sentence
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
+from engine.models import checkpoint_config
 
 
 def summarize(records: Sequence[Record]) -> dict[str, float]:
@@ -176,7 +176,7 @@ def workload_parser(name: str, doc: str | None, profiled: str) -> argparse.Argum
 
 def checkpoint(args: argparse.Namespace) -> tuple[str, int]:
     """The run's checkpoint directory (--model, else the built-in model) and its vocabulary size."""
-    path = args.model or default_model_path()
+    path = resolve_model(args.model)
     return path, model_info(path)["vocab_size"]
 
 
@@ -197,7 +197,7 @@ def run_stamp(workload: str, argv: Sequence[str]) -> dict[str, object]:
 
 def result_header(workload: str, argv: Sequence[str], args: argparse.Namespace) -> dict[str, object]:
     """`run_stamp`, the model's shape and every option of the run."""
-    model_path = args.model or default_model_path()
+    model_path = resolve_model(args.model)
     return {**run_stamp(workload, argv), "model": model_info(model_path), "options": vars(args)}
 
 
@@ -217,7 +217,7 @@ def _version(package: str) -> str | None:
 
 
 def model_info(path: str) -> dict[str, object]:
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = checkpoint_config(path)
     keys = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "dtype", "torch_dtype")
     return {"path": path, **{k: config[k] for k in keys if k in config}}

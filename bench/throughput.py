@@ -35,12 +35,12 @@ from bench.driver import (
     add_engine_args,
     engine_config,
     parse_workload_args,
-    random_tokens,
     replay,
     variant_llm,
 )
 from bench.profiling import profile_requests, profile_sentence, render_profile
 from bench.summary import publish, result_header, run_summary
+from bench.text_corpus import CorpusTokens
 
 NAME = "throughput"
 SYSTEMS = ("engine", "engine-offload", "hf-generate", "hf-cb")
@@ -92,15 +92,15 @@ class Client:
         return now, Turn(self.prompts[self.sent - 1], self.output_len, self.tag)
 
 
-def level_prompts(args: argparse.Namespace, concurrency: int, vocab: int) -> list[list[list[int]]]:
-    """Per client, its prompts: random tokens from distinct seeds, so no prefix is shared."""
+def level_prompts(args: argparse.Namespace, concurrency: int, corpus: CorpusTokens) -> list[list[list[int]]]:
+    """Per client, its prompts: runs of real text from distinct seeds, so no prefix is shared."""
     per_client = max(args.requests_per_client, -(-args.min_requests // concurrency))
-    return [[random_tokens(random.Random(f"{args.seed}-{concurrency}-{c}-{i}"), args.prompt_len, vocab)
+    return [[corpus.take(random.Random(f"{args.seed}-{concurrency}-{c}-{i}"), args.prompt_len)
              for i in range(per_client)] for c in range(concurrency)]
 
 
-def run_level(args: argparse.Namespace, hf_model: PreTrainedModel | None, concurrency: int, vocab: int) -> dict[str, dict]:
-    prompts = level_prompts(args, concurrency, vocab)
+def run_level(args: argparse.Namespace, hf_model: PreTrainedModel | None, concurrency: int, corpus: CorpusTokens) -> dict[str, dict]:
+    prompts = level_prompts(args, concurrency, corpus)
     runs = {}
     for system in args.systems:
         if system in ENGINE_VARIANTS:
@@ -135,12 +135,12 @@ def run_hf(args: argparse.Namespace, model: PreTrainedModel, system: str, prompt
     return summary
 
 
-def profiles(args: argparse.Namespace, vocab: int) -> list[dict]:
+def profiles(args: argparse.Namespace, corpus: CorpusTokens) -> list[dict]:
     """The engine's two regimes: one request alone (per-step overhead is not shared) and
     a batch of cold requests prefilled and decoded together."""
     results = []
     for batch in PROFILE_BATCHES:
-        prompts = [own[0] for own in level_prompts(args, batch, vocab)]
+        prompts = [own[0] for own in level_prompts(args, batch, corpus)]
         with variant_llm(args, VARIANTS["no-offload"]) as llm:
             label = f"{batch} cold request{'s' if batch > 1 else ''} at once"
             results.append(profile_requests(llm, prompts, args.output_len, label))
@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = None
     if {"hf-generate", "hf-cb"} & set(args.systems):
         hf_model = hf_baselines.load_model(result["model"]["path"], args.dtype)
-    vocab = result["model"]["vocab_size"]
-    result["levels"] = {str(c): run_level(args, hf_model, c, vocab) for c in args.concurrency}
+    corpus = CorpusTokens.for_model(result["model"]["path"])
+    result["levels"] = {str(c): run_level(args, hf_model, c, corpus) for c in args.concurrency}
     if args.profile:
-        result["profiles"] = profiles(args, vocab)
+        result["profiles"] = profiles(args, corpus)
     plot(result)
     publish(NAME, result, render(result))
     return 0

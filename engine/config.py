@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -52,6 +53,17 @@ def parse_offload(value: str | tuple[str, ...] | list[str] | None) -> tuple[str,
     return tuple(t for t in OFFLOAD_TIERS if t in names)
 
 
+def read_secret_file(path: str) -> str:
+    """The secret in `path`: its text without the trailing newline."""
+    try:
+        secret = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("kv_secret_file", f"cannot read {path}: {exc}") from None
+    if not secret:
+        raise ConfigError("kv_secret_file", f"{path} holds no secret")
+    return secret
+
+
 def default_disk_path() -> str:
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache_home, "kvtier", "kv")
@@ -59,7 +71,7 @@ def default_disk_path() -> str:
 
 @dataclass
 class EngineConfig:
-    """Every engine option. `model=None` means the built-in tiny random model."""
+    """Every engine option. `model=None` means the built-in default (builtin:smollm2)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -82,7 +94,8 @@ class EngineConfig:
     kv_redis_url: str | None = None
     kv_chunk_tokens: int = 256
     kv_compress: str | None = None
-    kv_secret: str | None = None
+    kv_secret: str | None = field(default=None, repr=False)
+    kv_secret_file: str | None = None  # read into kv_secret at construction, then None
     kv_save_decode: bool = False
     kv_load_timeout: float = 10.0
 
@@ -92,6 +105,10 @@ class EngineConfig:
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if self.kv_secret_file is not None:
+            if self.kv_secret:
+                raise ConfigError("kv_secret_file", "give --kv-secret or --kv-secret-file, not both")
+            self.kv_secret, self.kv_secret_file = read_secret_file(self.kv_secret_file), None
         self.validate()
 
     def validate(self) -> None:

@@ -3,8 +3,9 @@
 Decoding only the new tokens on their own goes wrong in two ways: tokenizers that drop
 the leading space of the first token (SentencePiece, Metaspace) lose spaces, and a
 character whose UTF-8 bytes span several tokens decodes to U+FFFD until its last byte
-arrives. So each step decodes a short window of already-emitted tokens with and without
-the new ones and emits the difference, and emits nothing while the text ends in U+FFFD.
+arrives. `tokenizers.decoders.DecodeStream` handles both in one decode per step: it
+keeps a short window of already-emitted tokens (seeded with the end of the prompt) and
+emits the difference, and nothing while the text would end in U+FFFD.
 """
 
 from __future__ import annotations
@@ -12,9 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-# Prompt tokens decoded before the first output token, to give it its context.
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens the stream starts from, to give the first output token its context.
 PROMPT_CONTEXT_TOKENS = 5
-REPLACEMENT_CHAR = "\ufffd"
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer")
+    return backend
 
 
 class IncrementalDetokenizer:
@@ -24,23 +35,16 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids)
-        self.prefix_offset = max(len(self.token_ids) - PROMPT_CONTEXT_TOKENS, 0)
-        self.read_offset = len(self.token_ids)
+        self.tokenizer = backend_tokenizer(tokenizer)
+        context = list(prompt_token_ids[max(len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS, 0) :])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self.text = ""
 
     def append(self, token_ids: Sequence[int]) -> str:
         """Add output tokens; returns the text they complete (possibly empty)."""
-        self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self.token_ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if not token_ids:
             return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        delta = self._stream.step(self.tokenizer, list(token_ids)) or ""
         self.text += delta
         return delta
 
@@ -53,11 +57,6 @@ class IncrementalDetokenizer:
         index, stop_string = found
         self.text = self.text[:index]
         return stop_string
-
-    def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(
-            self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens
-        )
 
 
 def find_stop_string(

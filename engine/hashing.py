@@ -3,7 +3,13 @@
 Block hash chain: h_i = SHA-256(h_{i-1} || tokens_i as little-endian uint32 || extra_i),
 with h_{-1} = SHA-256(b"kvtier-block-seed/v1" || fingerprint). Nothing here depends on
 Python's hash(), pickle or PYTHONHASHSEED, so two processes (or machines) agree.
-`extra` of the first block carries the request's cache_salt, so tenants never share.
+`extra` of the first block carries the request's cache_salt, so tenants never share:
+b"salt" || len(salt as UTF-8) as little-endian uint32 || salt as UTF-8 (empty without one).
+The fingerprint is SHA-256 of the ModelFingerprint fields as compact JSON, keys sorted.
+
+Every stored key derives from these bytes, so they are a format shared by every process
+of a store: tests/engine/test_hash_vectors.py pins them with literal vectors. Changing
+them is a version bump (the seed's "/v1", LAYOUT_VERSION): see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ def salt_extra(cache_salt: str | None) -> bytes:
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    packed = array("I", tokens)
+    try:
+        packed = array("I", tokens)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32) to be hashed") from None
     if packed.itemsize != 4:
         raise RuntimeError("array('I') is not 32-bit on this platform")
     if struct.pack("=I", 1) != struct.pack("<I", 1):

@@ -13,17 +13,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 import kernels
-from engine.builtin_model import default_model_path
+from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
+from engine.kv_security import warn_if_shared_without_secret
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
-from engine.models import ModelSpec, load_model, resolve_dtype
+from engine.models import ModelSpec, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -59,10 +59,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         kernels.set_backend(config.attention_backend)
-        model_path = config.model or default_model_path()
-        self.model, self.spec = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
+        model_path = resolve_model(config.model)
+        self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_path)
+        self.tokenizer = load_tokenizer(model_path, config.tokenizer)
         self.model_path = model_path
         self.config = dataclasses.replace(
             config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)
@@ -76,6 +76,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
         self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
+        warn_if_shared_without_secret(self.config)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self._tracked: dict[str, _Tracked] = {}

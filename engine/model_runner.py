@@ -80,29 +80,31 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        """The step's flattened batch: Python lists built per request, then one tensor
+        each (a decode step of many requests is a few list appends per request)."""
         token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled = []
         for req, num_new, start, sample in zip(
             out.requests, out.num_new_tokens, out.start_positions, out.sample, strict=True
         ):
-            token_ids.extend(req.token_ids_between(start, start + num_new))
-            positions.append(torch.arange(start, start + num_new))
-            seq_lens.append(start + num_new)
+            end = start + num_new
+            token_ids += req.token_ids_between(start, end)
+            positions += range(start, end)
+            seq_lens.append(end)
             if sample:
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(req)
         query_lens = list(out.num_new_tokens)
-        position_t = torch.cat(positions)
+        position_t = torch.tensor(positions, dtype=torch.long)
         block_tables = _pad_block_tables(out.block_tables)
-        slot_mapping = self._slot_mapping(block_tables, query_lens, position_t)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(_cumsum_with_zero(query_lens)),
             seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             block_tables=self._to_device(block_tables),
-            slot_mapping=self._to_device(slot_mapping),
+            slot_mapping=self._to_device(self._slot_mapping(block_tables, query_lens, position_t)),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
@@ -159,11 +161,9 @@ class ModelRunner:
 
 
 def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    padded = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return padded
+    """The block tables as one int32 tensor, rows padded with 0 (one tensor construction)."""
+    width = max(max(len(t) for t in tables), 1)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 def _cumsum_with_zero(lengths: list[int]) -> torch.Tensor:

@@ -5,6 +5,11 @@ token), then top-k, then top-p over what top-k kept. A token is drawn with the
 exponential race `argmax(probs / q)`, q ~ Exp(1), which is an exact draw from `probs`
 and needs no cumulative sum. A request with its own generator draws its noise row from
 that generator alone, so its tokens do not depend on the rest of the batch.
+
+A row of logits with a NaN or +inf, or with no finite value, is no distribution: the
+sampler raises NonFiniteLogitsError before drawing anything (no generator advances), and
+the engine runs the step again without the rows that fail alone (LLMEngine._isolate), so
+only those requests finish with an error.
 """
 
 from __future__ import annotations
@@ -17,6 +22,17 @@ from engine.sampling_params import SamplingParams
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
 GREEDY_TEMPERATURE = 1e-5
+
+
+class NonFiniteLogitsError(ArithmeticError):
+    """The model produced NaN or infinite logits for some rows of a step."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(
+            "the model produced NaN or infinite logits (no distribution to sample from), "
+            f"rows {rows} of the step"
+        )
+        self.rows = rows
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -38,17 +54,29 @@ class Sampler:
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
             raise ValueError("logits must be [n, vocab] with one params and generator per row")
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        row_max, tokens = logits.max(dim=-1)  # one pass: the greedy tokens and the check
+        bad = ~torch.isfinite(row_max)
+        if any(g is not None for g in generators):
+            _raise_for(bad)  # before a request's generator draws: a rerun draws the same
         rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
         if rows:
             tokens[rows] = _sample_rows(
                 logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
             )
+        _raise_for(bad)  # the device sync here overlaps the sampling kernels queued above
         logprobs = None
         if any(p.logprobs for p in params):
             chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
             logprobs = chosen.squeeze(1).tolist()
         return tokens.tolist(), logprobs
+
+
+def _raise_for(bad: torch.Tensor) -> None:
+    """Raise NonFiniteLogitsError for the rows flagged in `bad`: rows whose maximum is not
+    finite, i.e. a NaN anywhere (max propagates it), a +inf, or every logit -inf (-inf
+    entries alone are masked tokens)."""
+    if bool(bad.any()):
+        raise NonFiniteLogitsError(bad.nonzero().flatten().tolist())
 
 
 def _sample_rows(

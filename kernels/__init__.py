@@ -55,11 +55,17 @@ def use_backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+_triton_modules: dict[str, ModuleType] = {}
+
+
 def _impl(tensor: torch.Tensor, triton_module: str) -> ModuleType:
     """The torch reference, or the Triton module (imported on first use) if it applies."""
     if _backend == "torch" or (_backend == "auto" and not tensor.is_cuda):
         return reference
-    return importlib.import_module(f"kernels.{triton_module}")
+    module = _triton_modules.get(triton_module)
+    if module is None:
+        module = _triton_modules[triton_module] = importlib.import_module(f"kernels.{triton_module}")
+    return module
 
 
 def write_kv(

@@ -8,7 +8,8 @@ seq_lens[i] - query_len_i ... seq_lens[i] - 1 and attend causally to everything 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # What a kernel derives from this metadata once per step and every layer reuses
+    # (index tensors, masks), keyed by the kernel; built on first use.
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,17 +1,23 @@
 """Torch implementations of the kernel contracts: what the CPU engine runs, and the
 oracle the Triton kernels are tested against.
 
-Each sequence with several new tokens (a prefill chunk) is computed on its own, in row
-tiles of explicit fp32 QK^T + softmax that skip the masked upper triangle. All
-single-token decodes of a step share one padded SDPA call, so a 32-request decode step
-is one call, not 32. Host-side lengths (`meta.*_cpu`) drive the loops, so nothing here
-syncs a device. The padded call reads slots past a sequence's length (stale KV of freed
-blocks); `write_kv` stores only finite values into the zero-initialised cache (and the
-engine zeroes what a forward that raised left behind), so the length mask alone keeps
-them out of every output, as the Triton kernel's masked loads do.
+Attention runs on SDPA's fused kernels (on CPU the flash kernel: tiled, fp32
+accumulation, bf16 matmuls on AMX where the CPU has it). A sequence with several new
+tokens (a prefill chunk) is computed on its own: its chunk attends causally to itself
+and fully to the context before it, two flash calls whose partial results are merged by
+their log-sum-exp (SDPA's causal mask is top-left aligned, and an explicit bottom-right
+mask would make it compute the masked triangle too). All single-token decodes of a step
+share one padded SDPA call, so a 32-request decode step is one call, not 32. Host-side
+lengths (`meta.*_cpu`) drive the loops, so nothing here syncs a device. The padded call
+reads slots past a sequence's length (stale KV of freed blocks); `write_kv` stores only
+finite values into the zero-initialised cache (and the engine zeroes what a forward that
+raised left behind), so the length mask alone keeps them out of every output, as the
+Triton kernel's masked loads do.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,34 +38,76 @@ def write_kv(
     instead cost more than the attention itself: 17 vs 6 ms for 32 bf16 sequences of
     1,280 tokens on one core)."""
     block_size = kv_layer.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    kv_layer[blocks, 0, offsets] = _finite(key[valid].to(kv_layer.dtype))
-    kv_layer[blocks, 1, offsets] = _finite(value[valid].to(kv_layer.dtype))
-
-
-def _finite(copy: torch.Tensor) -> torch.Tensor:
-    """NaN and inf as 0, in place: `copy` is the fresh tensor boolean indexing made."""
-    return copy.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv = torch.stack((key, value), dim=1).to(kv_layer.dtype)  # [T, 2, KH, D]: one write
+    kv_layer[blocks, :, offsets] = kv.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def paged_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal varlen attention over the paged cache; returns `[num_tokens, heads, head_dim]`."""
+    plan = _step_plan(meta, kv_layer.shape[2], query.device)
     out = query.new_empty(query.shape)
-    starts = _prefix_sums(meta.query_lens_cpu)
-    decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-    if len(decodes) > 1:
-        _decode_batch(query, kv_layer, meta, scale, decodes, [starts[i] for i in decodes], out)
-    batched = set(decodes) if len(decodes) > 1 else set()
-    for i, q_len in enumerate(meta.query_lens_cpu):
-        if i in batched or q_len == 0:
-            continue
-        rows = slice(starts[i], starts[i] + q_len)
-        out[rows] = _sequence_attention(query[rows], kv_layer, meta, i, scale)
+    if plan.decodes is not None:
+        _decode_batch(query, kv_layer, plan.decodes, scale, out)
+    for rows, ctx_len, block_ids in plan.prefills:
+        k, v = _gather_context(kv_layer, block_ids, ctx_len)
+        causal_attention(query[rows], k, v, scale, out[rows])
     return out
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    """The single-token sequences of a step, as one padded batch."""
+
+    rows: slice | torch.Tensor  # their query rows
+    block_ids: torch.Tensor  # [S, blocks of the longest]
+    max_len: int
+    mask: torch.Tensor | None  # [S, 1, 1, max_len], None when all lengths are equal
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What every layer's attention call of one step shares, derived once from the metadata."""
+
+    decodes: _Decodes | None
+    prefills: list[tuple[slice, int, torch.Tensor]]  # (query rows, context length, block ids)
+
+
+def _step_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    key = f"reference/{block_size}"
+    plan = meta.derived.get(key)
+    if plan is None:
+        plan = meta.derived[key] = _make_plan(meta, block_size, device)
+    return plan
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    starts = _prefix_sums(meta.query_lens_cpu)
+    seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    decodes = None
+    if seqs:
+        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        max_len = max(lens)
+        mask = None
+        if min(lens) < max_len:
+            # Past each sequence's end the gathered slots hold stale but finite KV (see
+            # write_kv), so the length mask alone keeps them out.
+            lengths = torch.tensor(lens, device=device)
+            mask = (torch.arange(max_len, device=device) < lengths[:, None])[:, None, None, :]
+        tables = meta.block_tables[_as_index(seqs, device), : -(-max_len // block_size)]
+        decodes = _Decodes(_as_index([starts[i] for i in seqs], device), tables, max_len, mask)
+    prefills = []
+    for i, q_len in enumerate(meta.query_lens_cpu):
+        if q_len > 1:
+            ctx_len = meta.seq_lens_cpu[i]
+            block_ids = meta.block_tables[i, : -(-ctx_len // block_size)]
+            prefills.append((slice(starts[i], starts[i] + q_len), ctx_len, block_ids))
+    return _StepPlan(decodes, prefills)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -94,78 +142,73 @@ def _gather_context(
     return k.transpose(-2, -3), v.transpose(-2, -3)
 
 
-def _sequence_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, i: int, scale: float
-) -> torch.Tensor:
-    """Sequence `i`'s new tokens `q` (`[q_len, H, D]`) against its whole context."""
-    ctx_len = meta.seq_lens_cpu[i]
-    num_blocks = -(-ctx_len // kv_layer.shape[2])
-    k, v = _gather_context(kv_layer, meta.block_tables[i, :num_blocks].long(), ctx_len)
-    return _causal_attention(q, k, v, scale)
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """Bottom-right causal attention of `q` `[Lq, H, D]` over `k`/`v` `[KH, L, D]` into
+    `out` `[Lq, H, D]`: query row r sees keys `0 .. L - Lq + r`.
 
-
-def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Bottom-right causal attention of `q` `[Lq, H, D]` over `k`/`v` `[KH, L, D]`.
-
-    Explicit fp32 QK^T + softmax over row tiles, each tile only against the keys it can
-    see: on CPU this is several times faster than SDPA's flash kernel, which does not
-    skip the masked upper triangle. P is cast to the value dtype for P @ V (fp32
-    accumulation inside the matmul), as flash attention kernels do."""
+    The query heads that share a KV head are SDPA's heads and the KV heads its batch, with
+    K and V broadcast over the group (a stride-0 view, no copy)."""
     q_len, heads, head_dim = q.shape
     kv_heads, ctx_len = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    tile = _row_tile(heads, ctx_len)
-    qg = q.permute(1, 0, 2).reshape(kv_heads, group, q_len, head_dim)
-    k32 = k.float()
-    v = v.to(q.dtype)
-    out = torch.empty(kv_heads, group, q_len, head_dim, dtype=q.dtype, device=q.device)
-    for first in range(0, q_len, tile):
-        rows = min(tile, q_len - first)
-        visible = ctx_len - q_len + first + rows
-        qt = qg[:, :, first : first + rows].float().reshape(kv_heads, group * rows, head_dim)
-        scores = torch.matmul(qt, k32[:, :visible].transpose(1, 2)).mul_(scale)
-        scores = scores.view(kv_heads, group, rows, visible)
-        diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
-        scores[..., visible - rows :].masked_fill_(diagonal, float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype).view(kv_heads, group * rows, visible)
-        tile_out = torch.matmul(probs, v[:, :visible]).view(kv_heads, group, rows, head_dim)
-        out[:, :, first : first + rows] = tile_out
-    return out.view(heads, q_len, head_dim).transpose(0, 1)
+    past = ctx_len - q_len
+    qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    kg = k.to(q.dtype)[:, None].expand(kv_heads, group, ctx_len, head_dim)
+    vg = v.to(q.dtype)[:, None].expand(kv_heads, group, ctx_len, head_dim)
+    if q.device.type == "cpu":
+        res, lse = _flash(qg, kg[:, :, past:], vg[:, :, past:], True, scale)
+        if past:
+            res_past, lse_past = _flash(qg, kg[:, :, :past], vg[:, :, :past], False, scale)
+            res = _merge(res, lse, res_past, lse_past)
+    else:
+        allowed = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril_(past)
+        res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale)
+    out.view(q_len, kv_heads, group, head_dim).copy_(res.permute(2, 0, 1, 3))
 
 
-def _row_tile(heads: int, ctx_len: int) -> int:
-    """Query rows per tile: about 2M fp32 scores, between 16 and 128 rows."""
-    return max(16, min(128, (1 << 21) // (heads * ctx_len)))
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel, with the log-sum-exp of each row's scores (fp32)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def _merge(
+    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two key sets from the attention over each and their
+    log-sum-exps: each part weighted by its share of the softmax mass, in fp32."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = (lse_a - lse).exp_().unsqueeze(-1)
+    weight_b = (lse_b - lse).exp_().unsqueeze(-1)
+    return (a.float() * weight_a).add_(b.float() * weight_b).to(a.dtype)
 
 
 def _decode_batch(
-    query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    seqs: list[int],
-    seq_rows: list[int],
+    query: torch.Tensor, kv_layer: torch.Tensor, decodes: _Decodes, scale: float,
     out: torch.Tensor,
 ) -> None:
-    """All single-token sequences in one padded SDPA call with a length mask.
+    """All single-token sequences in one padded SDPA call.
 
     The query heads sharing a KV head are folded into SDPA's query-length dim
     (`[S, KH, group, D]`); that is ~10x faster on CPU than `enable_gqa` with 1 row."""
-    lens = [meta.seq_lens_cpu[i] for i in seqs]
-    max_len = max(lens)
-    num_blocks = -(-max_len // kv_layer.shape[2])
-    device = query.device
-    rows = torch.tensor(seq_rows, device=device)
-    tables = meta.block_tables[torch.tensor(seqs, device=device), :num_blocks].long()
-    k, v = _gather_context(kv_layer, tables, max_len)  # [S, KH, L, D]
-    kv_heads, head_dim = k.shape[1], k.shape[3]
-    q = query.index_select(0, rows).view(len(seqs), kv_heads, -1, head_dim)
-    # Past each sequence's end the gathered slots hold stale but finite KV (see
-    # write_kv), so the length mask alone keeps them out.
-    mask = torch.arange(max_len, device=device) < torch.tensor(lens, device=device)[:, None]
+    k, v = _gather_context(kv_layer, decodes.block_ids, decodes.max_len)  # [S, KH, L, D]
+    num_seqs, kv_heads, _, head_dim = k.shape
+    q = query[decodes.rows].view(num_seqs, kv_heads, -1, head_dim)
     res = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=decodes.mask, scale=scale
     )
-    out.index_copy_(0, rows, res.reshape(len(seqs), -1, head_dim))
+    out[decodes.rows] = res.reshape(num_seqs, -1, head_dim)
+
+
+def _as_index(positions: list[int], device: torch.device) -> slice | torch.Tensor:
+    """`positions` as a slice when they are consecutive (the common case: the decodes come
+    first in a step), else as an index tensor."""
+    first = positions[0]
+    if positions[-1] - first == len(positions) - 1:
+        return slice(first, first + len(positions))
+    return torch.tensor(positions, device=device)

@@ -20,7 +20,7 @@ def tiny_model_factory(tmp_path_factory):
 
     Checkpoints are built with transformers + save_pretrained and loaded by the engine
     through its real loading code; each distinct set of arguments is built once."""
-    from engine.builtin_model import make_model
+    from engine.random_model import make_model
 
     built: dict[tuple[str, str], str] = {}
 

@@ -1,9 +1,10 @@
 """Our own forward passes for the Llama family (Llama, Mistral, Qwen2, Qwen3) and the
-Hugging Face checkpoint loader. The transformers model classes are never run here."""
+loaders of Hugging Face checkpoint directories and GGUF files. The transformers model
+classes are never run here."""
 
 from engine.models.args import ModelLoadError, UnsupportedArchitectureError
 from engine.models.llama import CausalLM
-from engine.models.loader import load_model
+from engine.models.loader import checkpoint_config, load_model, load_tokenizer
 from engine.models.spec import ModelSpec, resolve_dtype
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "ModelLoadError",
     "ModelSpec",
     "UnsupportedArchitectureError",
+    "checkpoint_config",
     "load_model",
+    "load_tokenizer",
     "resolve_dtype",
 ]

@@ -18,9 +18,9 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # F.rms_norm in fp32 is bit-identical to transformers' pow/mean/rsqrt, in one call.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return normed.to(x.dtype).mul_(self.weight)
 
 
 class Linear(nn.Module):
@@ -67,7 +67,7 @@ class Linear(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused `[..., 2 * intermediate]` gate/up projection output."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 class Embedding(nn.Module):

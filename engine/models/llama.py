@@ -35,7 +35,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
         self.head_dim = args.head_dim
-        self.split = [args.q_size, args.kv_size, args.kv_size]
+        self.qk_size = args.q_size + args.kv_size
         self.scale = args.head_dim**-0.5
         qkv = {"q_proj": args.q_size, "k_proj": args.kv_size, "v_proj": args.kv_size}
         self.qkv_proj = Linear(args.hidden_size, qkv, args.qkv_bias, dtype, device)
@@ -46,14 +46,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        # Q and K heads side by side, so that one rotary call covers both.
+        qk = qkv[:, : self.qk_size].view(num_tokens, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = apply_rotary(qk, step.cos, step.sin)
+        q, k = qk[:, :heads], qk[:, heads:]
         kernels.write_kv(kv_layer, k, v, step.meta.slot_mapping)
         out = kernels.paged_attention(q, kv_layer, step.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -80,8 +81,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, dtype, device)
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_layer, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # In place: the residual stream is this forward's own tensor (the embedding output).
+        x = x.add_(self.self_attn(self.input_layernorm(x), kv_layer, step))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):

@@ -1,10 +1,13 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors) into our model."""
+"""Load a checkpoint into our model: a Hugging Face directory (config.json + safetensors)
+or a GGUF file (engine/models/gguf.py). Both end in the same weight copy, keyed by
+Hugging Face tensor names."""
 
 from __future__ import annotations
 
 import glob
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,12 +15,13 @@ import torch
 import xxhash
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from engine.models.args import ModelArgs, ModelLoadError, architecture_of, args_from_config
+from engine.models.gguf import GGUFCheckpoint, is_gguf, load_gguf_tokenizer
 from engine.models.layers import Linear
 from engine.models.llama import CausalLM
-from engine.models.spec import ModelSpec, config_dtype_name, eos_token_ids, read_json
+from engine.models.spec import ModelSpec, config_dtype_name, eos_token_ids, read_json, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +32,50 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str
+    path: str | os.PathLike[str], dtype: str | torch.dtype, device: torch.device | str
 ) -> tuple[CausalLM, ModelSpec]:
-    """Build our model for the checkpoint in directory `path` and fill its weights."""
+    """Build our model for the checkpoint at `path` (a directory or a .gguf file) and
+    fill its weights. `dtype` may be "auto": the dtype the checkpoint declares."""
     path = os.fspath(path)
+    if is_gguf(path):
+        return _load_gguf(path, dtype, torch.device(device))
     config = read_config(path)
+    dtype = resolve_dtype(dtype, config)
     args = args_from_config(config)
     files = weight_files(path)
     model = CausalLM(args, dtype, torch.device(device))
-    load_weights(model, files)
+    load_weights(model, _safetensors(files))
     model.eval()
-    return model, _spec(path, config, args, files)
+    generation = read_json(os.path.join(path, "generation_config.json"))
+    return model, _spec(path, config, generation, args, weights_digest(files))
+
+
+def _load_gguf(
+    path: str, dtype: str | torch.dtype, device: torch.device
+) -> tuple[CausalLM, ModelSpec]:
+    checkpoint = GGUFCheckpoint(path)
+    config = SimpleNamespace(**checkpoint.config)
+    dtype = resolve_dtype(dtype, config)
+    args = args_from_config(config)
+    model = CausalLM(args, dtype, device)
+    load_weights(model, checkpoint.dequantized(dtype))
+    model.eval()
+    return model, _spec(path, config, {}, args, weights_digest([path]))
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
+    """The tokenizer of `tokenizer_path` if given, else the model's own (a GGUF file
+    carries its tokenizer in its metadata)."""
+    if tokenizer_path is None and is_gguf(model_path):
+        return load_gguf_tokenizer(model_path)
+    return AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+
+
+def checkpoint_config(path: str) -> dict[str, Any]:
+    """The config.json fields of a checkpoint directory or GGUF file (no weights read)."""
+    if is_gguf(path):
+        return GGUFCheckpoint(path).config
+    return read_json(os.path.join(path, "config.json"))
 
 
 def read_config(path: str) -> Any:
@@ -80,19 +117,25 @@ def weights_digest(files: list[str]) -> str:
     return digest.hexdigest()
 
 
-def load_weights(model: CausalLM, files: list[str]) -> None:
-    """Copy every checkpoint tensor into place; raise on missing or unexpected tensors."""
+def _safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every (Hugging Face name, tensor) into place; raise on missing or unexpected
+    tensors."""
     targets = checkpoint_targets(model)
     loaded, unexpected = set(), []
     with torch.no_grad():
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name in targets:
-                        _copy(name, targets[name], f.get_tensor(name))
-                        loaded.add(name)
-                    elif not _ignored(name, model.args):
-                        unexpected.append(name)
+        for name, tensor in tensors:
+            if name in targets:
+                _copy(name, targets[name], tensor)
+                loaded.add(name)
+            elif not _ignored(name, model.args):
+                unexpected.append(name)
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
         raise ModelLoadError(
@@ -143,8 +186,9 @@ def _some(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _spec(path: str, config: Any, args: ModelArgs, files: list[str]) -> ModelSpec:
-    generation = read_json(os.path.join(path, "generation_config.json"))
+def _spec(
+    path: str, config: Any, generation: dict[str, Any], args: ModelArgs, digest: str
+) -> ModelSpec:
     max_positions = args.max_position_embeddings
     if args.sliding_window is not None and args.sliding_window < max_positions:
         logger.warning(
@@ -168,5 +212,5 @@ def _spec(path: str, config: Any, args: ModelArgs, files: list[str]) -> ModelSpe
         eos_token_ids=eos_token_ids(config, generation),
         bos_token_id=bos if bos is not None else generation.get("bos_token_id"),
         torch_dtype=config_dtype_name(config),
-        weights_digest=weights_digest(files),
+        weights_digest=digest,
     )

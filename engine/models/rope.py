@@ -128,6 +128,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, heads, head_dim]`; same products and sums as transformers' rotate_half form."""
+    """Rotate `x [T, heads, head_dim]` into a new contiguous tensor; the same products and
+    sums as transformers' rotate_half form, written into the halves of the result."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    return out

@@ -102,6 +102,9 @@ def _prefix(state: ServerState, body: PinRequest) -> Callable[[Any], str | list[
     state.check_model(body.model)
     if body.messages is None:
         prompt = body.prompt
+        if isinstance(prompt, list) and any(t >= state.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {state.vocab_size}) (the model's vocabulary)",
+                           param="prompt", code="invalid_value")
         return lambda engine: prompt
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     return lambda engine: engine.encode_chat(messages)

@@ -21,7 +21,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.server import admin
 from engine.server.cli_args import ServerSettings, settings_from_args
 from engine.server.errors import APIError, install_error_handlers
-from engine.server.middleware import BodySizeLimitMiddleware
+from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.serving import create_chat_completion, create_completion
 from engine.server.state import ServerState, create_state, default_model_names
@@ -38,7 +38,9 @@ def _state(request: Request) -> ServerState:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await create_completion(_state(request), body, request)
+    state = _state(request)
+    state.check_prompt_count(len(body.prompt))  # before any prompt is tokenized
+    return await create_completion(state, body, request)
 
 
 @router.post("/v1/chat/completions")
@@ -83,7 +85,12 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(router)
     if state.settings.enable_kv_admin:
         app.include_router(admin.router)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_request_bytes)
+    settings = state.settings
+    app.add_middleware(
+        BodyLimitsMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_read_timeout,
+        max_reads_per_client=settings.max_body_reads_per_client, retry_after_s=settings.retry_after,
+        on_refusal=state.metrics.count_rejection,
+    )
     return app
 
 
@@ -137,7 +144,8 @@ def startup_summary(engine: LLMEngine, settings: ServerSettings, names: tuple[st
         f"  KV pool  {engine.num_kv_blocks} blocks x {config.block_size} tokens = {pool_tokens} tokens "
         f"({format_bytes(engine.num_kv_blocks * engine.block_bytes)}), max model len {config.max_model_len}",
         f"  offload  {_offload_summary(config)}",
-        f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests",
+        f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests, "
+        f"{settings.prompt_limit(config.max_num_seqs)} prompts per request at most",
         f"  admin    {'/kv/ (bearer token)' if settings.enable_kv_admin else 'off'}",
         f"  URL      {url}",
     ]

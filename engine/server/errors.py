@@ -12,7 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineClosedError, EngineDeadError, QueueFullError
+from engine.async_engine import (
+    EngineClosedError,
+    EngineDeadError,
+    QueueCapacityError,
+    QueueFullError,
+)
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import RequestTooLongError
 from engine.server.protocol import ErrorInfo, ErrorResponse
@@ -50,6 +55,13 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def too_many_prompts(count: int, limit: int) -> APIError:
+    return APIError(
+        400, f"A completion may hold at most {limit} prompts; this one has {count}.",
+        param="prompt", code="too_many_prompts",
+    )
+
+
 def model_not_found(name: str | None) -> APIError:
     return APIError(
         404, f"The model {name!r} does not exist.", param="model", code="model_not_found"
@@ -71,6 +83,8 @@ def engine_error(exc: Exception, retry_after_s: int, prompt_param: str = "prompt
         return APIError(503, str(exc), type=SERVER_ERROR, code="engine_unavailable")
     if isinstance(exc, SamplingParamsError):
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, QueueCapacityError):
+        return APIError(400, str(exc), param=prompt_param, code="too_many_prompts")
     if isinstance(exc, RequestTooLongError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, ValueError):  # add_request's contract: ValueError means bad input

@@ -5,12 +5,14 @@
 - Engine gauges and counters read at scrape time from the stats snapshot the engine
   thread publishes (`EngineStatsCollector`), the connector's `kv_*` counters included.
 - `kvtier:store_*` metrics per offload tier, read at scrape time from the snapshot's
-  `kv_tiers` entry (`TierStatsCollector`). Its contract, one dict per tier name:
+  `kv_tiers` entry (`TierStatsCollector`); `kvtier:store_rejected_records` counts the
+  records each tier refused, by reason (REJECTION_REASONS). Its contract, one dict per
+  tier name:
 
       hit_tokens, miss_tokens, bytes_read, bytes_written, evictions, errors,
-      checksum_failures        cumulative counts (int)
-      usage_bytes, capacity_bytes                       gauges (int)
-      healthy                                           bool
+      checksum_failures, auth_failures, rejected_records  cumulative counts (int)
+      usage_bytes, capacity_bytes                         gauges (int)
+      healthy                                             bool
       load_latency, save_latency    {"sum": seconds, "count": n,
                                      "buckets": {upper_bound_seconds: cumulative_count}}
 
@@ -73,7 +75,7 @@ CONNECTOR_COUNTERS = {
     "kv_load_failures": ("kvtier:load_failures", "Loads that delivered fewer tokens than promised."),
     "kv_load_failed_tokens": ("kvtier:load_failed_tokens", "Promised tokens recomputed instead."),
     "kv_saved_chunks": ("kvtier:saved_chunks", "Chunks handed to the store to save."),
-    "kv_save_skipped_chunks": ("kvtier:save_skipped_chunks", "Chunks not saved: no staging buffer free."),
+    "kv_save_skipped_chunks": ("kvtier:save_skipped_chunks", "Chunks not saved: no host slot free."),
     "kv_offloaded_chunks": ("kvtier:offloaded_chunks", "Chunks saved because their request was preempted."),
     "kv_prefetched_requests": ("kvtier:prefetched_requests", "Queued requests whose chunks were prefetched."),
     "kv_load_copy_seconds": ("kvtier:load_copy_seconds", "Time copying loaded KV into device blocks."),
@@ -88,8 +90,19 @@ TIER_COUNTERS = {
     "evictions": ("kvtier:store_evictions", "Chunks evicted from the tier."),
     "errors": ("kvtier:store_errors", "Failed tier operations (the tokens were recomputed)."),
     "checksum_failures": ("kvtier:store_checksum_failures",
-                          "Records rejected by checksum or HMAC verification."),
+                          "Records rejected as damaged: truncated, bad magic or xxh3 checksum mismatch."),
 }
+# tier counter -> `reason` of kvtier:store_rejected_records (every record a tier refused)
+# (the store counts fingerprint, key, version and layout mismatches as one: "identity")
+REJECTION_REASONS = {
+    "checksum_failures": "checksum",  # truncated, bad magic, xxh3 mismatch
+    "auth_failures": "hmac",  # unsigned while --kv-secret is set, or signed with another secret
+    "rejected_records": "identity",  # another model, another key (a moved record), version, layout
+}
+REJECTED_RECORDS = ("kvtier:store_rejected_records",
+                    "Records a tier refused to use (each one a miss, recomputed), by reason: checksum "
+                    "(damaged), hmac (--kv-secret verification failed), identity (another model, another "
+                    "key, format version or layout).")
 TIER_GAUGES = {
     "usage_bytes": ("kvtier:store_usage_bytes", "Bytes held by the tier."),
     "capacity_bytes": ("kvtier:store_capacity_bytes", "Byte budget of the tier."),
@@ -210,6 +223,11 @@ class TierStatsCollector:
             for tier, stats in tiers.items():
                 family.add_metric([tier], float(stats.get(key, 0)))
             yield family
+        family = CounterMetricFamily(*REJECTED_RECORDS, labels=["tier", "reason"])
+        for tier, stats in tiers.items():
+            for key, reason in REJECTION_REASONS.items():
+                family.add_metric([tier, reason], float(stats.get(key, 0)))
+        yield family
         for key, (name, doc) in TIER_GAUGES.items():
             family = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, stats in tiers.items():

@@ -3,6 +3,12 @@
 Requests are validated strictly (no string-to-number coercion, as OpenAI does) and
 unknown fields are ignored. Fields OpenAI defines but the engine cannot honour are
 accepted only at their neutral value, so a client never silently gets other semantics.
+Every string must be valid Unicode: JSON can spell a lone UTF-16 surrogate (`"\\ud800"`),
+which no tokenizer and no UTF-8 encoder accepts, so it is refused here (`Text`).
+
+JSON has no NaN or infinity: response bodies are rendered with pydantic's JSON encoder
+(`responses.json_response`, `responses.sse`), which writes a non-finite float (such as a
+logprob) as `null`.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,6 +37,21 @@ MAX_LOGPROBS = 1  # the engine reports the sampled token's logprob only
 Prompts = list[str | list[int]]
 
 
+def check_unicode(text: str) -> str:
+    """`text`, if it encodes to UTF-8 (no lone UTF-16 surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+            "which is not valid Unicode"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(check_unicode)]
+
+
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
@@ -37,16 +59,27 @@ def _is_token_list(value: Any) -> bool:
 def parse_prompt(value: Any) -> Prompts:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(value, str):
-        return [value]
+        return [check_unicode(value)]
     if isinstance(value, list) and value:
         if _is_token_list(value):
             return [value]
-        if all(isinstance(p, str) for p in value) or all(_is_token_list(p) and p for p in value):
+        if all(isinstance(p, str) for p in value):
+            return [check_unicode(p) for p in value]
+        if all(_is_token_list(p) and p for p in value):
             return list(value)
     raise ValueError(
         "must be a string, a non-empty list of strings, a list of non-negative token ids, "
         "or a list of non-empty token-id lists"
     )
+
+
+def parse_prefix(value: Any) -> str | list[int] | None:
+    """A prefix to pin: a string or a list of non-negative token ids."""
+    if value is None or isinstance(value, str):
+        return value if value is None else check_unicode(value)
+    if _is_token_list(value):
+        return value
+    raise ValueError("must be a string or a list of non-negative token ids")
 
 
 def parse_stop(value: Any) -> list[str]:
@@ -57,17 +90,17 @@ def parse_stop(value: Any) -> list[str]:
         raise ValueError("must be a non-empty string or a list of non-empty strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-    return stops
+    return [check_unicode(s) for s in stops]
 
 
 def parse_content(value: Any) -> str:
     """Message content: a string, or a list of text parts (joined)."""
     if isinstance(value, str):
-        return value
+        return check_unicode(value)
     if isinstance(value, list):
         texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
+            return check_unicode("".join(texts))
     raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
 
@@ -93,13 +126,13 @@ class StreamOptions(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, BeforeValidator(parse_content)]
-    name: str | None = None
+    name: Text | None = None
 
 
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # -1 (vLLM) and 0 both disable top-k
@@ -111,8 +144,8 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    user: str | None = None
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
+    user: Text | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -140,7 +173,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     _no_echo = field_validator("echo")(only_neutral(False))
     _no_best_of = field_validator("best_of")(only_neutral(None, 1))
@@ -299,11 +332,11 @@ MAX_PIN_TTL_S = 30 * 24 * 3600.0
 class PinRequest(_Strict):
     """A prefix to pin or unpin: a prompt (text or token ids) or a chat message list."""
 
-    model: str | None = None
-    prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
+    model: Text | None = None
+    prompt: Annotated[str | list[int] | None, BeforeValidator(parse_prefix)] = None
     messages: list[ChatMessage] | None = None
     ttl: float | None = Field(3600.0, gt=0.0, le=MAX_PIN_TTL_S)  # seconds; null: until unpinned
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> PinRequest:

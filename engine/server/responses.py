@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.outputs import RequestOutput
@@ -33,8 +34,14 @@ TokenText = Callable[[int], str]
 DONE_EVENT = "data: [DONE]\n\n"
 
 
+def json_response(body: BaseModel) -> Response:
+    """`body` as an `application/json` response; a non-finite float becomes `null`
+    (JSON has no NaN or infinity; `JSONResponse` would raise instead)."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
 def sse(body: BaseModel) -> str:
-    """One server-sent event carrying `body` as JSON."""
+    """One server-sent event carrying `body` as JSON (non-finite floats as `null`)."""
     return f"data: {body.model_dump_json()}\n\n"
 
 

@@ -1,16 +1,16 @@
-"""POST /v1/completions and /v1/chat/completions: tokenize on the engine thread, build
-sampling parameters, run the engine requests, answer as one JSON body or as server-sent
-events. The two APIs differ only in how prompts are tokenized and how output is shaped
+"""POST /v1/completions and /v1/chat/completions: tokenize off the engine thread (after a
+length check, engine/server/prompts.py), build sampling parameters, run the engine
+requests, answer as one JSON body or as server-sent events. The two APIs differ only in how prompts are tokenized and how output is shaped
 (`CompletionFormat`, `ChatFormat` in responses.py)."""
 
 from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
@@ -28,6 +28,7 @@ from engine.server.responses import (
     error_event,
     finish_reason,
     generation_error,
+    json_response,
     sse,
     usage_of,
 )
@@ -47,14 +48,11 @@ CLIENT_CLOSED_REQUEST = 499
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
-    prompts = body.prompt
-    token_lists = await _on_engine(state, lambda e: [e.encode(p) for p in prompts], "prompt")
+    token_lists = await _tokenized(state, state.prompts.encode(body.prompt, "prompt"), "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
-        max_tokens = _max_tokens(
-            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len, "prompt"
-        )
+        max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs is not None)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
     fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
@@ -66,9 +64,9 @@ async def create_chat_completion(
 ) -> Response:
     model = state.check_model(body.model)
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    token_ids = await _on_engine(state, lambda e: e.encode_chat(messages), "messages")
+    token_ids = await _tokenized(state, state.prompts.encode_chat(messages, "messages"), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len, "messages")
+    max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
     params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
     fmt = ChatFormat(request_id, model, state.token_text, body.logprobs and bool(body.top_logprobs))
     return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
@@ -101,7 +99,7 @@ async def _run(
     for output in outputs:
         if (error := generation_error(output)) is not None:
             raise error
-    return JSONResponse(fmt.response(outputs).model_dump())
+    return json_response(fmt.response(outputs))
 
 
 async def _complete(group: RequestGroup) -> list[RequestOutput]:
@@ -125,10 +123,10 @@ async def _translated(state: ServerState, work: Awaitable[T], prompt_param: str)
         raise error from exc
 
 
-async def _on_engine(state: ServerState, fn: Callable[[Any], T], prompt_param: str) -> T:
-    """Run tokenization on the engine thread (the tokenizer belongs to it)."""
+async def _tokenized(state: ServerState, work: Awaitable[T], prompt_param: str) -> T:
+    """Await prompt tokenization, its errors as API errors."""
     try:
-        return await _translated(state, state.engine.call(fn), prompt_param)
+        return await _translated(state, work, prompt_param)
     except TemplateError as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}",
                        param=prompt_param, code="invalid_value") from exc
@@ -159,19 +157,11 @@ async def _events(
     yield DONE_EVENT
 
 
-def _max_tokens(
-    requested: int | None, default: int | None, prompt_len: int, max_model_len: int, prompt_param: str
-) -> int:
+def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max_model_len: int) -> int:
     """The requested output length, else `default` (None: the rest of the context),
-    capped to the context left after the prompt. A longer request is the engine's to refuse."""
+    capped to the context left after the prompt (at least one token: PromptTokenizer
+    refused longer prompts). A longer request is the engine's to refuse."""
     room = max_model_len - prompt_len
-    if room < 1:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens, and the "
-            f"{prompt_param} alone has {prompt_len} tokens: no room for any output.",
-            param=prompt_param, code="context_length_exceeded",
-        )
     return requested or min(default or room, room)
 
 

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from transformers import AutoTokenizer
+from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncEngine
+from engine.builtin_models import DEFAULT_MODEL
 from engine.server.cli_args import ServerSettings
-from engine.server.errors import model_not_found
+from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
+from engine.server.prompts import PromptTokenizer
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-BUILTIN_MODEL_NAME = "kvtier-tiny"
 TOKEN_TEXT_CACHE = 65536
 
 
@@ -30,7 +30,10 @@ class ServerState:
     model_names: tuple[str, ...]
     model_root: str
     max_model_len: int
+    vocab_size: int
+    max_prompts_per_request: int  # --max-prompts-per-request, at most what the queue holds
     kv_offload: tuple[str, ...]
+    prompts: PromptTokenizer
     token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -45,10 +48,15 @@ class ServerState:
             return self.model_name
         raise model_not_found(requested)
 
+    def check_prompt_count(self, count: int) -> None:
+        """Refuse a completion with more prompts than one request may hold."""
+        if count > self.max_prompts_per_request:
+            raise too_many_prompts(count, self.max_prompts_per_request)
+
 
 def default_model_names(model_flag: str | None) -> tuple[str, ...]:
     """What clients call the model when --served-model-name is not given."""
-    return (model_flag or BUILTIN_MODEL_NAME,)
+    return (model_flag or DEFAULT_MODEL,)
 
 
 def create_state(
@@ -57,11 +65,11 @@ def create_state(
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""
     metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
-    token_text = _token_text_function(engine.config.tokenizer or engine.model_path)
+    # The server's own tokenizer (prompts, logprob tokens): the engine's belongs to the
+    # engine thread.
+    tokenizer = copy.deepcopy(engine.tokenizer)
     async_engine = AsyncEngine(
-        engine,
-        max_pending_requests=engine.config.max_num_seqs + settings.max_waiting_requests,
-        observer=metrics.requests,
+        engine, max_pending_requests=settings.queue_size(engine.config.max_num_seqs), observer=metrics.requests
     )
     metrics.watch(lambda: async_engine.stats)
     return ServerState(
@@ -71,15 +79,16 @@ def create_state(
         model_names=model_names,
         model_root=engine.model_path,
         max_model_len=engine.config.max_model_len,
+        vocab_size=engine.spec.vocab_size,
+        max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
-        token_text=token_text,
+        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len),
+        token_text=_token_text_function(tokenizer),
     )
 
 
-def _token_text_function(tokenizer_path: str) -> Callable[[int], str]:
-    """id -> text of one token, for logprobs. A tokenizer instance of the server's own:
-    the engine's belongs to the engine thread, and this one is used on the event loop."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+def _token_text_function(tokenizer: Any) -> Callable[[int], str]:
+    """id -> text of one token, for logprobs (on the event loop)."""
 
     @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)
     def token_text(token_id: int) -> str:

@@ -8,7 +8,7 @@ merges their outputs, and aborts whatever is still running when it is closed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,15 +38,26 @@ class RequestGroup:
     """The engine requests of one API call (one per prompt), started and closed together."""
 
     def __init__(self, engine: AsyncEngine, jobs: list[EngineJob], cache_salt: str | None) -> None:
-        self._generators = [
-            engine.generate(job.token_ids, job.params, job.request_id, cache_salt) for job in jobs
-        ]
+        self._engine = engine
+        self._jobs = jobs
+        self._cache_salt = cache_salt
+        self._generators: list[AsyncGenerator[RequestOutput, None]] = []
         self._firsts: list[RequestOutput] = []
 
     async def start(self) -> None:
-        """Admit every request and wait for each one's first output. Raises the first
-        admission error (queue full, prompt too long, ...) after aborting the others."""
-        self._firsts = await _gather_or_cancel([anext(g) for g in self._generators])
+        """Admit every request and wait for each one's first output. The queue slots of
+        all of them are taken first, at once: a full queue refuses the group before any
+        request runs. Raises the first admission error (queue full, prompt too long, ...)
+        after aborting the others."""
+        reservation = self._engine.reserve(len(self._jobs))
+        self._generators = [
+            self._engine.generate(job.token_ids, job.params, job.request_id, self._cache_salt, reservation)
+            for job in self._jobs
+        ]
+        try:
+            self._firsts = await _gather_or_cancel([anext(g) for g in self._generators])
+        finally:
+            reservation.release_unused()  # the slots of requests that never started
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) of every request as produced, the started outputs first."""

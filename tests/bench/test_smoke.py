@@ -25,8 +25,10 @@ from bench.kv_common import find_redis_server
 SMOKE_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill")
 # The others: tiny sizes spelled out.
 SIZED_WORKLOADS = {
-    "engine": ["--num-prompts", "3", "--prompt-len", "8", "24", "--output-len", "2", "6", "--batch-size", "2",
-               "--prefill-len", "32", "--decode-batches", "1", "4", "--decode-steps", "3"],
+    "engine": ["--prefill-lens", "32", "64", "--repeats", "1", "--decode-context", "40", "--decode-steps", "3",
+               "--batch-decode", "3", "--batch-context", "20", "--num-prompts", "3", "--prompt-len", "8", "24",
+               "--output-len", "2", "6", "--hf-batch-size", "2", "--big-prompt-bytes", "200000",
+               "--stream-tokens", "24"],
     "long-doc-qa": ["--num-docs", "4", "--doc-tokens", "320", "--question-tokens", "4", "--max-tokens", "2",
                     "--chunk-tokens", "64", "--concurrency", "1", "2", "--configs", "none", "cpu", "disk"],
     "zero-reuse": ["--num-prompts", "3", "--prompt-len", "48", "--output-len", "4", "--concurrency", "2",
@@ -38,9 +40,11 @@ SIZED_WORKLOADS = {
     "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
                        "--chunk-tokens", "16"],
     "store-hits": ["--num-docs", "2", "--doc-tokens", "64", "--max-tokens", "2", "--chunk-tokens", "32"],
+    "startup": ["--smoke"],
 }
 NEEDS_REDIS = ("cross-instance", "store-hits")
-NO_MODEL = ("store",)  # measures the store alone (its --skip-model-kv skips the model's KV)
+# the store alone (its --skip-model-kv skips the model's KV); the built-in model's start-up
+NO_MODEL = ("store", "startup")
 ALL_WORKLOADS = (*SMOKE_WORKLOADS, *SIZED_WORKLOADS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine.builtin_model import make_model
 from engine.models import (
     ModelLoadError,
     UnsupportedArchitectureError,
     load_model,
     resolve_dtype,
 )
+from engine.random_model import make_model
 from kernels.metadata import AttentionMetadata
 
 BLOCK_SIZE = 8

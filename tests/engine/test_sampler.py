@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, make_generator
+from engine.sampler import (
+    NonFiniteLogitsError,
+    Sampler,
+    apply_min_p,
+    apply_top_k_top_p,
+    make_generator,
+)
 from engine.sampling_params import SamplingParams
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1.
@@ -129,3 +135,25 @@ def test_logprobs_of_chosen_tokens_use_the_raw_logits():
 def test_rejects_mismatched_inputs():
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, 5), [SamplingParams()], [None, None])
+
+
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+def test_a_row_without_a_distribution_raises_naming_its_row(bad):
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(6))
+    logits[:, 5] = float("-inf")  # masked tokens alone are fine
+    if bad == "nan":
+        logits[2, 7] = float("nan")
+    elif bad == "+inf":
+        logits[2, 7] = float("inf")
+    else:
+        logits[2] = float("-inf")
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(seed=3), SamplingParams()]
+    generators = [None, None, make_generator(3), make_generator(4)]
+    states = [g.get_state() for g in generators[2:]]
+    with pytest.raises(NonFiniteLogitsError) as failure:
+        Sampler().sample(logits, params, generators)
+    assert failure.value.rows == [2]
+    # Nothing was drawn: a rerun without the bad row samples as if it had never failed.
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(generators[2:], states, strict=True))
+    tokens, _ = Sampler().sample(logits[[0, 1, 3]], [params[i] for i in (0, 1, 3)], [None, None, generators[3]])
+    assert 5 not in tokens and tokens[0] == logits[0].argmax().item()

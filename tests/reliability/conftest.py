@@ -17,6 +17,8 @@ from reliability_support import CHUNK, ColdOracle, FaultServer
 from scorecard import Scorecard
 
 ADMIN_TOKEN = "reliability-admin-token-0123456789"
+BODY_READ_TIMEOUT_S = 2.0  # the fault server's --body-read-timeout
+BODY_READS_PER_CLIENT = 8  # its --max-body-reads-per-client
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +55,8 @@ def scorecard(
 @pytest.fixture(scope="session")
 def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultServer]:
     """The poisoned model behind the real server: cpu and disk tiers with small budgets,
-    a device pool of 96 blocks (1536 tokens) and 16 running requests at most."""
+    a device pool of 96 blocks (1536 tokens), 16 running requests at most, and short
+    limits on slow request bodies."""
     disk = tmp_path_factory.mktemp("server-kv")
     server = FaultServer(
         "--model", model_path, "--dtype", "float32", "--served-model-name", "tiny",
@@ -61,7 +64,8 @@ def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> I
         "--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "1MiB",
         "--kv-offload-disk-path", str(disk), "--kv-offload-disk-size", "4MiB",
         "--enable-kv-admin", "--admin-token", ADMIN_TOKEN, "--max-request-bytes", "256KiB",
-        "--max-waiting-requests", "512", "--log-level", "warning",
+        "--max-waiting-requests", "512", "--body-read-timeout", str(BODY_READ_TIMEOUT_S),
+        "--max-body-reads-per-client", str(BODY_READS_PER_CLIENT), "--log-level", "warning",
     )
     yield server
     server.stop()

@@ -33,6 +33,7 @@ CHUNK = 32  # tokens per stored chunk: two blocks of 16
 VOCAB = 480
 POISON_TOKEN = 3  # never drawn by random_prompts: the poisoned model fails on it ...
 POISON_AT = 40  # ... at this position (always inside the prompt: greedy outputs may hold 3)
+NAN_TOKEN = 2  # never drawn either: at POISON_AT, the poisoned model returns NaN hidden states
 GARBAGE = 7.0  # what the poisoned model leaves in the KV it was computing, by default
 REDIS_PREFIX = "kvtier:"  # StoreConfig.redis_key_prefix
 ENGINE = {"dtype": "float32", "kv_chunk_tokens": CHUNK, "num_kv_blocks": 64}
@@ -158,6 +159,12 @@ def tier(engine: LLMEngine, name: str) -> dict[str, Any]:
     return engine.kv_store_stats()[name]
 
 
+def held_blocks(engine: LLMEngine) -> int:
+    """Device blocks held by requests (none once the engine is idle)."""
+    stats = engine.stats()
+    return round(stats["kv_cache_usage_perc"] * stats["num_kv_blocks"])
+
+
 def numeric_stats(engine: LLMEngine) -> dict[str, float]:
     return {k: v for k, v in engine.stats().items() if isinstance(v, int | float)}
 
@@ -251,7 +258,9 @@ def spec_for(engine: LLMEngine) -> ChunkSpec:
 class PoisonedModel(torch.nn.Module):
     """The real model, except that a step holding POISON_TOKEN at position POISON_AT
     overwrites the KV slots of the requests holding it with `garbage` (what a fault
-    mid-forward leaves behind; NaN for a numerical blow-up) and raises."""
+    mid-forward leaves behind; NaN for a numerical blow-up) and raises; and a step holding
+    NAN_TOKEN at POISON_AT returns NaN hidden states for the requests holding it (their
+    logits are NaN; their KV is the real one), without raising."""
 
     def __init__(self, inner: torch.nn.Module, garbage: float = GARBAGE) -> None:
         super().__init__()
@@ -265,18 +274,25 @@ class PoisonedModel(torch.nn.Module):
         if len(poisoned):
             self._spoil(poisoned, kv_cache, meta, self.garbage)
             raise RuntimeError("poisoned token in the batch")
+        for row in ((input_ids == NAN_TOKEN) & (positions == POISON_AT)).nonzero().flatten().tolist():
+            hidden[self._rows_of(row, meta)] = float("nan")
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.compute_logits(hidden)
 
     @staticmethod
-    def _spoil(rows: torch.Tensor, kv_cache: torch.Tensor, meta: Any, garbage: float) -> None:
+    def _rows_of(row: int, meta: Any) -> slice:
+        """The rows of the step's flattened batch that belong to `row`'s sequence."""
         starts = meta.query_start_loc.tolist()
+        seq = next(i for i in range(len(starts) - 1) if starts[i] <= row < starts[i + 1])
+        return slice(starts[seq], starts[seq + 1])
+
+    @classmethod
+    def _spoil(cls, rows: torch.Tensor, kv_cache: torch.Tensor, meta: Any, garbage: float) -> None:
         block_size = kv_cache.shape[3]
         for row in rows.tolist():
-            seq = next(i for i in range(len(starts) - 1) if starts[i] <= row < starts[i + 1])
-            for slot in meta.slot_mapping[starts[seq] : starts[seq + 1]].tolist():
+            for slot in meta.slot_mapping[cls._rows_of(row, meta)].tolist():
                 kv_cache[slot // block_size, :, :, slot % block_size] = garbage
 
 

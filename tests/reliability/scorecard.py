@@ -23,13 +23,18 @@ Detail = int | float | str
 
 @dataclass
 class Entry:
-    """One scenario. `lost_records` / `torn_records` are None where the scenario keeps
-    nothing it promised (e.g. a Redis restarted empty may lose everything)."""
+    """One scenario: the requests (or other inputs) it sent, the faults it injected (kills,
+    pauses, damaged or forged records, hostile inputs, failing requests), and what came
+    out. None means "not applicable": `lost_records` / `torn_records` where the scenario
+    keeps nothing it promised (e.g. a Redis restarted empty may lose everything),
+    `leaked_blocks` (device blocks still held once idle) where no engine is checked."""
 
     group: str
     scenario: str
     requests: int
     wrong_outputs: int
+    faults: int | None = None
+    leaked_blocks: int | None = None
     lost_records: int | None = None
     torn_records: int | None = None
     recovery_s: float | None = None
@@ -47,14 +52,16 @@ class Scorecard:
         *,
         requests: int,
         wrong_outputs: int,
+        faults: int | None = None,
+        leaked_blocks: int | None = None,
         lost_records: int | None = None,
         torn_records: int | None = None,
         recovery_s: float | None = None,
         **details: Detail,
     ) -> None:
         self.entries.append(
-            Entry(group, scenario, requests, wrong_outputs, lost_records, torn_records,
-                  recovery_s, details)
+            Entry(group, scenario, requests, wrong_outputs, faults, leaked_blocks, lost_records,
+                  torn_records, recovery_s, details)
         )
 
     def write(self, path: Path) -> None:
@@ -77,20 +84,17 @@ def _cell(value: Detail | None) -> str:
 def render(entries: list[Entry]) -> str:
     """The scorecard table, its totals, and one line of measurements per scenario."""
     lines = [
-        "| group | scenario | requests served | wrong outputs | lost records | torn records "
-        "| recovery (s) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| group | scenario | requests / inputs | faults injected | wrong outputs | leaked blocks "
+        "| lost records | torn records | recovery (s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for e in entries:
-        cells = [e.group, e.scenario, e.requests, e.wrong_outputs, e.lost_records,
-                 e.torn_records, e.recovery_s]
+        cells = [e.group, e.scenario, e.requests, e.faults, e.wrong_outputs, e.leaked_blocks,
+                 e.lost_records, e.torn_records, e.recovery_s]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    lines.append(
-        f"| **total** | {len(entries)} scenarios | {sum(e.requests for e in entries)} "
-        f"| {sum(e.wrong_outputs for e in entries)} "
-        f"| {sum(e.lost_records or 0 for e in entries)} "
-        f"| {sum(e.torn_records or 0 for e in entries)} | |"
-    )
+    totals = [sum(getattr(e, name) or 0 for e in entries)
+              for name in ("requests", "faults", "wrong_outputs", "leaked_blocks", "lost_records", "torn_records")]
+    lines.append(f"| **total** | {len(entries)} scenarios | " + " | ".join(map(str, totals)) + " | |")
     lines += ["", "Measurements per scenario:", ""]
     for e in entries:
         details = ", ".join(f"{k} = {_cell(v)}" for k, v in e.details.items())

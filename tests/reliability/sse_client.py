@@ -87,6 +87,12 @@ def kv_stats(url: str, token: str) -> dict:
     return response.json()
 
 
+def server_held_blocks(stats: dict) -> int:
+    """Device blocks held by requests, from `/kv/stats`."""
+    device = stats["device"]
+    return round(device["kv_cache_usage_perc"] * device["num_kv_blocks"])
+
+
 def busy(stats: dict) -> float:
     """Requests running or waiting, in-flight API requests and held device blocks."""
     device = stats["device"]

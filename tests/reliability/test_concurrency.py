@@ -94,7 +94,8 @@ def test_two_engines_and_a_writer_share_redis_and_disk(
     bad_disk = invalid_disk_records(codec, disk)
     scorecard.add(
         "concurrency", "2 engines + 1 writer on one Redis and one directory",
-        requests=ENGINES * ROUNDS * len(PROMPTS), wrong_outputs=wrong, torn_records=len(bad_disk) + bad_redis,
+        requests=ENGINES * ROUNDS * len(PROMPTS), wrong_outputs=wrong, faults=written,
+        torn_records=len(bad_disk) + bad_redis,
         records_refused_by_engines=refused, loaded_tokens_per_engine=str(loaded), writer_records=written,
         engine_records_in_redis=in_redis, record_files_on_disk=len(record_files(disk)),
         disk_evictions=sum(r["tiers"]["disk"]["evictions"] for r in results),

@@ -125,7 +125,8 @@ def test_decompression_bombs_are_refused_without_inflating(scorecard: Scorecard)
         flags = FLAG_LZ4 if name.startswith("lz4") else FLAG_LZ4_PLANES
         outcomes[name] = decode_measured(seal(honest_fields(len(payload), flags), payload, True))
     scorecard.add(
-        "security", "decoder fed adversarial bytes", requests=0, wrong_outputs=0,
+        "security", "decoder fed adversarial bytes", requests=len(_allocations) + len(bombs), wrong_outputs=0,
+        faults=len(_allocations) + len(bombs),
         hypothesis_examples=len(_allocations), max_decode_allocation_bytes=max(_allocations, default=0),
         decode_allocation_bound_bytes=MEMORY_BOUND,
         **{f"{name}: allocated bytes": peak for name, (_, peak) in outcomes.items()},
@@ -164,7 +165,8 @@ def test_a_huge_value_under_a_valid_key_is_read_in_bounded_memory(
             tracemalloc.stop()
         counters = store.stats().tiers[tier].counters
     scorecard.add(
-        "security", f"{HUGE_VALUE >> 20} MiB value under a valid {tier} key", requests=0, wrong_outputs=0,
+        "security", f"{HUGE_VALUE >> 20} MiB value under a valid {tier} key", requests=1, wrong_outputs=0,
+        faults=1,
         allocated_bytes=peak, bound_bytes=STORE_MEMORY_BOUND, rejected=counters["checksum_failures"],
     )
     assert result.ok == (False,)

@@ -161,7 +161,7 @@ def record_damaged_scenario(scorecard: Scorecard, name: str, damaged: int, repla
     first = replay.counters[0]
     scorecard.add(
         "disk", name, requests=sum(len(r.ids) for r in replay.runs), wrong_outputs=replay.wrong,
-        torn_records=len(replay.invalid), damaged_records=damaged,
+        faults=damaged, torn_records=len(replay.invalid), damaged_records=damaged,
         rejected_records=rejected(replay.disk), loaded_tokens_damaged_round=first["kv_loaded_tokens"],
         rounds_until_all_served_again=len(replay.runs) - 1,
     )
@@ -197,7 +197,7 @@ def test_read_only_directory_serves_reads_and_refuses_writes(
     wrong = wrong_outputs(old["outputs"], cold(model_path, PROMPTS, MAX_TOKENS))
     wrong += wrong_outputs(new["outputs"], cold(model_path, new_prompts, MAX_TOKENS))
     scorecard.add(
-        "disk", "read-only directory", requests=len(PROMPTS) + len(new_prompts), wrong_outputs=wrong,
+        "disk", "read-only directory", requests=len(PROMPTS) + len(new_prompts), wrong_outputs=wrong, faults=1,
         lost_records=len(files) - len(record_files(path)), loaded_tokens=old["counters"]["kv_loaded_tokens"],
         write_errors=disk["errors"], writes_refused=disk["put_rejected"], health_after=disk["health"],
     )
@@ -260,7 +260,7 @@ def test_sigkill_during_writes_then_restart(model_path: str, cold: ColdOracle, t
         loaded = delta(before, numeric_stats(llm.engine))["kv_loaded_tokens"]
     wrong = wrong_outputs(run.outputs, cold(model_path, replayed, MAX_TOKENS))
     scorecard.add(
-        "disk", "SIGKILL mid-writes, restart", requests=len(replayed), wrong_outputs=wrong,
+        "disk", "SIGKILL mid-writes, restart", requests=len(replayed), wrong_outputs=wrong, faults=KILL_CYCLES,
         lost_records=missing, torn_records=len(torn), recovery_s=restart_s, kills=KILL_CYCLES,
         kills_with_a_write_in_progress=caught, temp_files_left_by_kills=leftovers,
         temp_files_after_restart=len(temp_files(tmp_path)), prompts_reported_written=len(saved),

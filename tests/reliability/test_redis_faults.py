@@ -18,6 +18,7 @@ from reliability_support import (
     Run,
     delta,
     drive,
+    held_blocks,
     numeric_stats,
     random_prompts,
     store_of,
@@ -148,7 +149,7 @@ def test_redis_killed_mid_run_and_restarted(model_path, cold: ColdOracle, redis_
         bound = step_bound(phases)
         scorecard.add(
             "redis", "killed mid-run, restarted", requests=phases.requests(),
-            wrong_outputs=phases.wrong(), recovery_s=recovery, seconds_to_notice_the_kill=detected,
+            wrong_outputs=phases.wrong(), faults=1, leaked_blocks=held_blocks(phases.engine), recovery_s=recovery, seconds_to_notice_the_kill=detected,
             max_step_s_down=phases.max_step_s("killed", "down"), step_bound_s=bound,
             max_lookup_s_down=phases.max_lookup_s("killed", "down"), redis_errors=tier(phases.engine, "redis")["errors"],
             loaded_tokens_after=after["kv_external_hit_tokens_redis"],
@@ -171,7 +172,7 @@ def test_redis_paused_forces_timeouts(model_path, cold: ColdOracle, redis_factor
         bound = step_bound(phases)
         scorecard.add(
             "redis", "paused (SIGSTOP)", requests=phases.requests(), wrong_outputs=phases.wrong(),
-            recovery_s=recovery, max_step_s_paused=phases.max_step_s("paused", "still paused"),
+            faults=1, leaked_blocks=held_blocks(phases.engine), recovery_s=recovery, max_step_s_paused=phases.max_step_s("paused", "still paused"),
             step_bound_s=bound, max_lookup_s_paused=phases.max_lookup_s("paused", "still paused"),
             redis_errors=tier(phases.engine, "redis")["errors"],
             loaded_tokens_while_paused=paused["kv_loaded_tokens"] + still["kv_loaded_tokens"],
@@ -204,7 +205,8 @@ def test_redis_restarted_empty_mid_run(model_path, cold: ColdOracle, redis_facto
         after = phases.run("after")
         scorecard.add(
             "redis", "restarted empty / flushed", requests=phases.requests(),
-            wrong_outputs=phases.wrong(), recovery_s=recovery[0],
+            wrong_outputs=phases.wrong(), faults=2, leaked_blocks=held_blocks(phases.engine),
+            recovery_s=recovery[0],
             load_failures=emptied["kv_load_failures"] + flushed["kv_load_failures"],
             loaded_tokens_after_flush=flushed["kv_loaded_tokens"],
             loaded_tokens_after=after["kv_external_hit_tokens_redis"],

@@ -20,7 +20,7 @@ import pytest
 from conftest import ADMIN_TOKEN
 from reliability_support import ColdOracle, FaultServer, bytes_on_disk, random_prompts, rss_bytes
 from scorecard import Scorecard
-from sse_client import kv_stats, stream, wait_idle
+from sse_client import kv_stats, server_held_blocks, stream, wait_idle
 
 SOAK_SECONDS = float(os.environ.get("KVTIER_SOAK_SECONDS", "20"))
 SOAK_CLIENTS = int(os.environ.get("KVTIER_SOAK_CLIENTS", "64"))
@@ -116,13 +116,12 @@ def test_soak_streaming_clients(fault_server: FaultServer, model_path: str, cold
     ttft = sorted(tally.first_token_s)
     scorecard.add(
         "load", f"soak: {SOAK_CLIENTS} streaming clients, {SOAK_SECONDS:g} s", requests=tally.served,
-        wrong_outputs=tally.wrong, recovery_s=drain_s, errors=tally.errors,
+        wrong_outputs=tally.wrong, leaked_blocks=server_held_blocks(after), recovery_s=drain_s, errors=tally.errors,
         requests_per_s=tally.served / elapsed, ttft_p50_s=statistics.median(ttft),
         ttft_p99_s=ttft[int(0.99 * (len(ttft) - 1))], rss_after_warmup_mib=baseline / 2**20,
         rss_growth_mib=growth / 2**20, rss_growth_bound_mib=RSS_GROWTH_BOUND / 2**20,
         budget_samples_over=tally.over_budget, peak_bytes_on_disk=tally.peak_disk_bytes,
         store_hit_tokens=store_hits(after) - store_hits(before), preemptions=after["device"]["num_preemptions_total"],
-        blocks_in_use_after=after["device"]["kv_cache_usage_perc"],
         **{f"peak_{t}_usage_of_budget": tally.tier_peaks[t] / after["tiers"][t]["capacity_bytes"]
            for t in tally.tier_peaks},
     )

@@ -14,9 +14,16 @@ from contextlib import aclosing
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineClosedError, EngineDeadError, QueueFullError
+from engine.async_engine import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineDeadError,
+    QueueCapacityError,
+    QueueFullError,
+)
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server.streams import EngineJob, RequestGroup
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -204,6 +211,48 @@ def test_queue_bound_rejects_then_admits_again():
         return await _collect(ae, "later", 2)
 
     assert len(run(scenario, engine, max_pending_requests=2)) == 2
+
+
+def _group(ae: AsyncEngine, name: str, prompts: list[str], max_tokens: int = 3) -> RequestGroup:
+    jobs = [EngineJob(f"{name}-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    return RequestGroup(ae, jobs, None)
+
+
+def test_a_request_group_is_admitted_whole_or_not_at_all():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        running = [asyncio.ensure_future(_collect(ae, f"r{i}", 50)) for i in range(2)]
+        await _until(lambda: ae.num_pending_requests == 2)
+        with pytest.raises(QueueFullError):
+            await _group(ae, "three", ["p"] * 3).start()  # 2 slots free: none taken
+        refused = (ae.num_pending_requests, sorted(engine.requests), list(engine.aborted))
+        with pytest.raises(QueueCapacityError):
+            await _group(ae, "five", ["p"] * 5).start()  # more than the queue: never
+        two = _group(ae, "two", ["p"] * 2)
+        await two.start()
+        outputs = await two.final_outputs()
+        await two.aclose()
+        await asyncio.gather(*running)
+        return refused, outputs, ae.num_pending_requests
+
+    refused, outputs, pending_after = run(scenario, engine, max_pending_requests=4)
+    assert refused == (2, ["r0", "r1"], [])  # no request of the refused group ever ran
+    assert [o.finished for o in outputs] == [True, True] and pending_after == 0
+
+
+def test_a_group_failing_at_admission_returns_every_slot():
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        group = _group(ae, "g", ["p", "bad", "p", "p"], max_tokens=1000)
+        with pytest.raises(ValueError, match="bad prompt"):
+            await group.start()
+        await group.aclose()
+        await _until(lambda: not engine.requests)
+        return ae.num_pending_requests
+
+    assert run(scenario, engine, max_pending_requests=4) == 0
 
 
 def test_idle_engine_thread_blocks_instead_of_spinning():

@@ -10,7 +10,7 @@ from engine.cli import main
 from engine.server.cli_args import ADMIN_TOKEN_ENV
 
 SERVER_FLAGS = ["--host", "--port", "--served-model-name", "--enable-kv-admin", "--admin-token",
-                "--max-waiting-requests", "--max-request-bytes", "--retry-after", "--shutdown-timeout",
+                "--max-waiting-requests", "--max-prompts-per-request", "--max-request-bytes", "--body-read-timeout", "--max-body-reads-per-client", "--retry-after", "--shutdown-timeout",
                 "--log-level"]
 
 
@@ -36,6 +36,9 @@ def test_help_explains_every_server_flag(capsys):
     (["--enable-kv-admin", "--admin-token", "short"], "--admin-token"),
     (["--port", "70000"], "--port"),
     (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    (["--max-prompts-per-request", "0"], "--max-prompts-per-request"),
+    (["--body-read-timeout", "0"], "--body-read-timeout"),
+    (["--max-body-reads-per-client", "0"], "--max-body-reads-per-client"),
     (["--max-request-bytes", "lots"], "--max-request-bytes"),
     (["--max-request-bytes", "10"], "--max-request-bytes"),
     (["--log-level", "loud"], "--log-level"),

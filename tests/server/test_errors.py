@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.server.server_helpers import MAX_MODEL_LEN, MODEL_NAME
+from tests.server.server_helpers import MAX_MODEL_LEN, MODEL_NAME, RawConnection
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,6 +50,18 @@ CASES = [
     (COMPLETIONS, {**OK_PROMPT, "prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {**OK_PROMPT, "max_tokens": MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {**OK_CHAT, "max_tokens": 10**9}, 400, "messages", "context_length_exceeded"),
+    (COMPLETIONS, {**OK_PROMPT, "prompt": ["x"] * 65}, 400, "prompt", "too_many_prompts"),
+    # lone UTF-16 surrogates: valid JSON, not valid Unicode (no tokenizer takes them)
+    (COMPLETIONS, {**OK_PROMPT, "prompt": "\ud800"}, 400, "prompt", "invalid_value"),
+    (COMPLETIONS, {**OK_PROMPT, "prompt": ["fine", "x\udfff"]}, 400, "prompt", "invalid_value"),
+    (COMPLETIONS, {**OK_PROMPT, "stop": ["\udc00"]}, 400, "stop", "invalid_value"),
+    (COMPLETIONS, {**OK_PROMPT, "cache_salt": "\ud83d"}, 400, "cache_salt", "invalid_value"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content",
+     "invalid_value"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}]},
+     400, "messages.0.content", "invalid_value"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, 400,
+     "messages.0.name", "invalid_value"),
 ]
 
 
@@ -68,7 +80,9 @@ def assert_error_body(response, status: int, param=None, code=None) -> dict:
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "code"), CASES)
 def test_bad_request_gets_openai_error(http, path, body, status, param, code):
-    assert_error_body(http.post(path, json=body), status, param, code)
+    raw = json.dumps(body).encode()  # ASCII with \u escapes: lone surrogates survive
+    response = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_error_body(response, status, param, code)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b'{"prompt": "x"', "\u00e9".encode("latin-1")])
@@ -95,6 +109,21 @@ def test_unknown_route_and_wrong_method(http):
 
 
 def test_errors_leave_the_server_serving(http):
-    response = http.post(COMPLETIONS, json=OK_PROMPT)
+    response = http.post(COMPLETIONS, json={**OK_PROMPT, "ignore_eos": True})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 2}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+])
+def test_a_lone_surrogate_keeps_the_connection_alive(server, path, body):
+    connection = RawConnection(server.url)
+    try:
+        status, error = connection.post(path, body)
+        assert status == 400 and json.loads(error)["error"]["code"] == "invalid_value"
+        status, ok = connection.post(COMPLETIONS, json.dumps({**OK_PROMPT, "ignore_eos": True}).encode())
+        assert status == 200 and json.loads(ok)["usage"]["completion_tokens"] == 2
+    finally:
+        connection.close()

@@ -38,6 +38,7 @@ KVTIER_TIER_METRICS = {
     "kvtier:store_evictions": "counter",
     "kvtier:store_errors": "counter",
     "kvtier:store_checksum_failures": "counter",
+    "kvtier:store_rejected_records": "counter",
     "kvtier:store_usage_bytes": "gauge",
     "kvtier:store_capacity_bytes": "gauge",
     "kvtier:store_healthy": "gauge",
@@ -87,6 +88,8 @@ def test_metrics_parse_with_vllm_and_kvtier_names(http):
     for name in KVTIER_TIER_METRICS:
         tiers = {s.labels["tier"] for s in families[name].samples}
         assert tiers == {"cpu"}, name
+    reasons = {s.labels["reason"] for s in families["kvtier:store_rejected_records"].samples}
+    assert reasons == {"checksum", "hmac", "identity"}
 
 
 def test_counters_and_histograms_move_with_a_request(http):
@@ -206,6 +209,13 @@ def test_store_operations_answer_501_without_a_store(model_path):
     ("/kv/pin", {"prompt": "x", "ttl": -1}, "ttl"),
     ("/kv/flush", {"tiers": ["tape"]}, "tiers.0"),
     ("/kv/flush", {"tiers": ["disk"]}, "tiers"),
+    # token ids outside the vocabulary: 2**32 and beyond do not fit the hash's uint32
+    ("/kv/pin", {"prompt": [5, 2**32]}, "prompt"),
+    ("/kv/unpin", {"prompt": [5, 2**32]}, "prompt"),
+    ("/kv/pin", {"prompt": [5, 2**64]}, "prompt"),
+    ("/kv/pin", {"prompt": [5, 10**6]}, "prompt"),
+    ("/kv/unpin", {"prompt": [-1]}, "prompt"),
+    ("/kv/pin", {"prompt": [1, True]}, "prompt"),
 ])
 def test_admin_validates_bodies_after_authentication(http, path, body, param):
     response = http.post(path, headers=AUTH, json=body)

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
+from tests.engine.stop_strings import boundary_stop, step_texts
 from tests.server.server_helpers import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,6 +134,20 @@ def test_stop_string_truncates_like_offline(client, offline_llm):
     result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
     assert result.choices[0].text == expected.text == full[: full.index(stop)]
     assert result.choices[0].finish_reason == "stop"
+
+
+def test_streamed_stop_string_is_never_sent_in_part(client, offline_llm):
+    # The stop string's first character comes one token before its last. Whether the
+    # stream sees that intermediate text depends on timing (outputs a slow reader has not
+    # taken are merged), so tests/engine/test_stop_streaming.py checks the hold-back on
+    # every step; this checks the streamed result end to end.
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    stop, expected = boundary_stop(step_texts(offline_llm.engine, PROMPT, params, "find-stop"))
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_logprobs_of_sampled_tokens(client):

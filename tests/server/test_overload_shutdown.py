@@ -1,5 +1,7 @@
 """A server with room for one request: the bounded queue answers 503 + Retry-After, the
-admin API is off by default, and SIGTERM lets in-flight streams finish."""
+admin API is off by default, and SIGTERM lets in-flight streams finish. A server with
+room for three: a completion's prompts are admitted together or not at all, and more
+prompts than the queue holds are a 400, never a 503."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.server_helpers import MODEL_NAME, ServerProcess, server_flags
 
@@ -44,6 +47,41 @@ def test_full_queue_answers_503_with_retry_after(one_slot_server):
         assert time.monotonic() < deadline, "the slot of the closed stream was never released"
         time.sleep(0.05)
     assert status == 200
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400(one_slot_server):
+    response = httpx.post(one_slot_server.url + "/v1/completions", json={**SHORT, "prompt": ["a", "b"]}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "too_many_prompts"
+
+
+@pytest.fixture(scope="module")
+def three_slot_server(model_path):
+    process = ServerProcess(*server_flags(model_path, "--max-num-seqs", "2", "--max-waiting-requests", "1"))
+    yield process
+    process.stop()
+
+
+def engine_requests_seen(url: str) -> float:
+    """Requests the engine finished or aborted, whatever the reason."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    family = next(f for f in families if f.name == "vllm:request_success")
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
+def test_a_completion_is_admitted_whole_or_not_at_all(three_slot_server):
+    url = three_slot_server.url
+    with httpx.stream("POST", url + "/v1/completions", json=LONG_STREAM, timeout=30) as held:
+        events = held.iter_lines()
+        assert next(events).startswith("data: ")
+        seen = engine_requests_seen(url)
+        refused = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": ["a", "b", "c"]}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+        assert engine_requests_seen(url) == seen  # none of its prompts ran (nor was aborted)
+        fits = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": ["a", "b"]}, timeout=30)
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
+    never = httpx.post(url + "/v1/completions", json={**SHORT, "prompt": ["a"] * 4}, timeout=30)
+    assert never.status_code == 400 and never.json()["error"]["code"] == "too_many_prompts"
 
 
 def test_admin_api_is_off_unless_enabled(one_slot_server):

@@ -1,4 +1,5 @@
-"""The built-in random-weight model: a real Hugging Face checkpoint built locally.
+"""Random-weight models: real Hugging Face checkpoints built locally, for tests and the
+`builtin:tiny` and `builtin:random` models.
 
 `make_model` writes config.json, safetensors weights, generation_config.json and a
 byte-level BPE tokenizer with a chat template into a directory, using only transformers
@@ -9,8 +10,6 @@ behaviour are those of a real Llama-family model.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 from typing import Any
 
@@ -31,7 +30,6 @@ from transformers import (
 
 from engine.models import resolve_dtype
 
-DEFAULT_MODEL_NAME = "builtin-llama-v1"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]  # ids 0, 1, 2
 BPE_VOCAB_TARGET = 768  # 3 special + 256 bytes + up to ~500 merges
@@ -197,27 +195,3 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
-
-
-def default_model_path() -> str:
-    """The built-in model's directory in the user cache, built on first use.
-
-    The build goes to a temporary sibling directory that is renamed into place, so a
-    reader never sees a half-written model and two racing processes both succeed.
-    """
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    parent = os.path.join(cache, "kvtier", "models")
-    final = os.path.join(parent, DEFAULT_MODEL_NAME)
-    if os.path.isdir(final):
-        return final
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=parent)
-    try:
-        make_model(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isdir(final):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

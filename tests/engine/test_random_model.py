@@ -1,4 +1,5 @@
-"""The built-in checkpoint: tokenizer, chat template, determinism, the cached default."""
+"""Random-weight checkpoints (engine/random_model.py): tokenizer, chat template,
+determinism, and the random built-in models made on first use."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine import builtin_model
-from engine.builtin_model import default_model_path, make_model
+from engine import builtin_models
+from engine.builtin_models import resolve_model
 from engine.models import load_model, resolve_dtype
+from engine.random_model import make_model
 
 TEXT = "The cache keeps blocks of tokens. Ünïcödé, emoji 🙂 and\nnew lines, tabs\tand  spaces."
 
@@ -60,31 +62,35 @@ def test_unknown_architecture_or_preset(tmp_path):
         make_model(str(tmp_path), preset="huge")
 
 
-def test_default_model_path_builds_once(tmp_path, monkeypatch):
+def test_random_builtin_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = default_model_path()
+    path = resolve_model("builtin:random")
     assert path == str(tmp_path / "kvtier" / "models" / "builtin-llama-v1")
     mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
-    assert default_model_path() == path
+    assert resolve_model("builtin:random") == path
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
     assert os.listdir(os.path.dirname(path)) == ["builtin-llama-v1"]
-    _, spec = load_model(path, resolve_dtype("auto", path), "cpu")
+    _, spec = load_model(path, "auto", "cpu")
     assert spec.torch_dtype == "bfloat16" and resolve_dtype("auto", path) == torch.bfloat16
     assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads, spec.head_dim) == (8, 512, 2, 64)
     assert spec.max_position_embeddings == 32768
+    _, tiny = load_model(resolve_model("builtin:tiny"), "auto", "cpu")
+    assert (tiny.num_layers, tiny.hidden_size) == (2, 64)
 
 
-def test_default_model_path_lost_race(tmp_path, monkeypatch):
+def test_random_builtin_lost_race(tmp_path, monkeypatch):
     """Another process renames its build into place first: ours is dropped, no error."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     final = tmp_path / "kvtier" / "models" / "builtin-llama-v1"
 
-    def racing_make_model(path: str) -> str:
+    def racing_install(path: str, wheel: str | None) -> None:
         (final / "config.json").parent.mkdir(parents=True)
         (final / "config.json").write_text("{}")
         (tmp_path / "kvtier" / "models" / os.path.basename(path) / "x").write_text("partial")
-        return path
 
-    monkeypatch.setattr(builtin_model, "make_model", racing_make_model)
-    assert default_model_path() == str(final)
+    model = builtin_models.BUILTIN_MODELS["random"]
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, "random",
+                        builtin_models.BuiltinModel(model.name, model.description, model.directory,
+                                                    racing_install, needs_download=False))
+    assert resolve_model("builtin:random") == str(final)
     assert os.listdir(final.parent) == ["builtin-llama-v1"]

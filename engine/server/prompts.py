@@ -1,0 +1,96 @@
+"""Prompt tokenization for the server, off the engine thread and length-checked first.
+
+The engine thread runs every step, so a prompt tokenized there (8 MB of text takes
+seconds) stalls every running stream. `PromptTokenizer` tokenizes in a worker thread
+(asyncio's default executor), through the Rust tokenizer's batch call, which releases
+the GIL while it works, so the engine thread and the event loop keep running meanwhile. A text prompt is first
+tokenized only up to `max_model_len * PREFIX_CHARS_PER_TOKEN` characters: when that
+prefix alone leaves no room for an output token, the request is refused without
+tokenizing the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.detokenizer import backend_tokenizer
+from engine.server.errors import APIError
+
+# Characters of a text prompt tokenized before the whole: English prose averages about
+# four characters a token and code about three, so a prefix of twice that many
+# characters as the context has tokens already overflows it when the prompt does.
+PREFIX_CHARS_PER_TOKEN = 8
+# A prefix cut inside a word can tokenize into a few more tokens than the same
+# characters do in the whole text; a prefix is judged too long only past this margin.
+CUT_MARGIN_TOKENS = 16
+
+
+class PromptTooLongError(APIError):
+    """A prompt that leaves no room for an output token within max_model_len."""
+
+    def __init__(self, max_model_len: int, num_tokens: int, param: str, at_least: bool) -> None:
+        count = f"at least {num_tokens}" if at_least else str(num_tokens)
+        super().__init__(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, and the "
+            f"{param} alone has {count} tokens: no room for any output.",
+            param=param, code="context_length_exceeded",
+        )
+
+
+class PromptTokenizer:
+    """Tokenizes completion prompts and chat messages like `LLMEngine.encode` and
+    `encode_chat` do, in a worker thread; raises PromptTooLongError for a prompt of
+    `max_model_len` tokens or more. `tokenizer` is a transformers fast tokenizer that the
+    engine thread does not use (the worker threads only read it)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self._backend = backend_tokenizer(tokenizer)
+        self.max_model_len = max_model_len
+
+    async def encode(self, prompts: Sequence[str | list[int]], param: str = "prompt") -> list[list[int]]:
+        """Token ids of each prompt (text or ids), checked against max_model_len."""
+        token_lists = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                token_ids = await self._run(self._encode_text, prompt, True, param)
+            else:
+                token_ids = list(prompt)
+                self._check(len(token_ids), param, at_least=False)
+            token_lists.append(token_ids)
+        return token_lists
+
+    async def encode_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
+        """The chat template applied to `messages` (with the generation prompt), tokenized."""
+        return await self._run(self._encode_chat, messages, param)
+
+    @staticmethod
+    async def _run(fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        return await asyncio.to_thread(fn, *args)
+
+    def _encode_chat(self, messages: list[dict], param: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The rendered template carries its own special tokens, as apply_chat_template's
+        # own tokenization assumes.
+        return self._encode_text(text, False, param)
+
+    def _encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        prefix_chars = self.max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) > prefix_chars:
+            num_prefix = len(self._tokenize(text[:prefix_chars], add_special_tokens))
+            if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
+                raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
+        token_ids = self._tokenize(text, add_special_tokens)
+        self._check(len(token_ids), param, at_least=False)
+        return token_ids
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it tokenizes; encode does not.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _check(self, num_tokens: int, param: str, at_least: bool) -> None:
+        if num_tokens >= self.max_model_len:
+            raise PromptTooLongError(self.max_model_len, num_tokens, param, at_least)

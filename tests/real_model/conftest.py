@@ -1,0 +1,33 @@
+"""The real model, SmolLM2-135M-Instruct (`builtin:smollm2`), and its oracle.
+
+`make test` installs it first (`kvtier download-model`), so a missing model fails these
+tests with the command that fixes it rather than skipping them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.builtin_models import BuiltinModelError, builtin_path, smollm2_gguf_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    try:
+        return builtin_path("smollm2")
+    except BuiltinModelError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir) -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir):
+    """transformers' own model on the converted checkpoint (the GGUF's fp32 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

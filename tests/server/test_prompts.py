@@ -1,0 +1,69 @@
+"""Prompt tokenization off the engine thread (engine/server/prompts.py): the same token
+ids as the engine's own tokenization, and the length check that refuses a prompt
+before the whole of it is tokenized."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.server.prompts import PREFIX_CHARS_PER_TOKEN, PromptTokenizer, PromptTooLongError
+from tests.server.server_helpers import MAX_MODEL_LEN
+
+TEXTS = ["Hello there, how are you?", "  leading spaces\nand a newline wörld 🙂", "x"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 你好"}]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path) -> PromptTokenizer:
+    return PromptTokenizer(AutoTokenizer.from_pretrained(model_path), MAX_MODEL_LEN)
+
+
+def test_token_ids_equal_the_engines_own(prompts, offline_llm):
+    engine = offline_llm.engine
+    assert asyncio.run(prompts.encode(TEXTS)) == [engine.encode(t) for t in TEXTS]
+    assert asyncio.run(prompts.encode([[5, 6, 7]])) == [[5, 6, 7]]
+    assert asyncio.run(prompts.encode_chat(MESSAGES)) == engine.encode_chat(MESSAGES)
+
+
+def test_prompt_of_max_model_len_tokens_is_refused_with_its_count(prompts, offline_llm):
+    words = " ".join(["hello"] * MAX_MODEL_LEN)
+    num_tokens = len(offline_llm.engine.encode(words))
+    assert num_tokens >= MAX_MODEL_LEN
+    with pytest.raises(PromptTooLongError, match=rf"alone has {num_tokens} tokens") as info:
+        asyncio.run(prompts.encode([words]))
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", "prompt")
+    with pytest.raises(PromptTooLongError, match=rf"alone has {MAX_MODEL_LEN} tokens"):
+        asyncio.run(prompts.encode([[5] * MAX_MODEL_LEN]))
+    assert len(asyncio.run(prompts.encode([[5] * (MAX_MODEL_LEN - 1)]))[0]) == MAX_MODEL_LEN - 1
+
+
+def test_a_long_text_is_refused_from_its_prefix(prompts):
+    huge = "some ordinary words of text, " * 100_000  # 2.9 M characters
+    assert len(huge) > 100 * MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN
+    with pytest.raises(PromptTooLongError, match=r"alone has at least \d+ tokens"):
+        asyncio.run(prompts.encode([huge]))
+    chat = [{"role": "user", "content": huge}]
+    with pytest.raises(PromptTooLongError, match=r"messages alone has at least \d+ tokens"):
+        asyncio.run(prompts.encode_chat(chat))
+
+
+def test_a_long_text_whose_prefix_fits_is_tokenized_whole(prompts):
+    # Nine characters a token (two of the tiny vocabulary's longest): the prefix fits
+    # in max_model_len tokens, the whole text does not.
+    long_tokens = " requests computed" * (MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN // 10)
+    assert len(long_tokens) > MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN
+    with pytest.raises(PromptTooLongError, match=r"alone has \d+ tokens"):
+        asyncio.run(prompts.encode([long_tokens]))
+
+
+def test_server_refuses_a_long_prompt_with_a_400(http):
+    body = {"model": "tiny", "prompt": "word " * 12_000, "max_tokens": 2}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "at least" in error["message"]
+    assert http.post("/v1/completions", json={**body, "prompt": "word " * 10}).status_code == 200
