@@ -16,7 +16,7 @@ WORKLOADS = {
     "multi-round-qa": ("bench.multi_round_qa", "users x rounds of chat over a shared system prompt, at a given QPS"),
     "rag": ("bench.rag", "queries of k documents in varying order: only true prefixes hit; chunk size"),
     "agent-replay": ("bench.agent_replay", "agents whose growing contexts leave the device while they pause"),
-    "throughput": ("bench.throughput", "random prompts without reuse at concurrency 1/8/32/64 vs transformers"),
+    "throughput": ("bench.throughput", "real-text prompts without reuse at concurrency 1/8/32/64 vs transformers"),
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),
     "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),
 }

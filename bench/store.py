@@ -364,16 +364,17 @@ def bench_redis(w: Workload, url: str) -> dict:
 
 
 def model_kv_chunks(spec: ChunkSpec, tokens: int) -> torch.Tensor:
-    """KV of the built-in default model (random weights) for random tokens, fp32,
-    in chunk layout [chunks, blocks, layers, 2, block, heads, head_dim]."""
+    """KV of the built-in default model for `tokens` tokens of real text, fp32, in chunk
+    layout [chunks, blocks, layers, 2, block, heads, head_dim]."""
     from transformers import AutoModelForCausalLM
 
+    from bench.text_corpus import token_documents
     from engine.builtin_models import resolve_model
+    from engine.models import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
-    ids = torch.randint(
-        3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)
-    )
+    path = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([token_documents(load_tokenizer(path), [tokens], seed=1)[0]])
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
     layers = [
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_model_kv:
         sources = {
-            "built-in model KV (random weights)": model_kv_chunks(spec, 8 * spec.chunk_tokens),
+            "built-in model KV (SmolLM2, real text)": model_kv_chunks(spec, 8 * spec.chunk_tokens),
             **sources,
         }
     result["compression"] = bench_codecs(sources, args.repeats)

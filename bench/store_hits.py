@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import math
-import pydoc
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,6 +39,7 @@ from bench.kv_common import (
     serve,
 )
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
+from bench.text_corpus import module_text, passage_tokens
 from engine import LLM, SamplingParams
 
 NAME = "store-hits"
@@ -78,11 +76,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # ---- workload ------------------------------------------------------------------------------
-
-
-def module_text(name: str) -> str:
-    text = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
-    return re.sub(r" at 0x[0-9a-f]+", "", text)
 
 
 def make_documents(llm: LLM, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
@@ -139,9 +132,8 @@ class Engines:
         blocks = pool_blocks(self.args, pool or self.args.pool_fraction)
         llm = LLM(model=self.model, dtype=self.args.dtype, num_kv_blocks=blocks, max_num_seqs=1,
                   kv_chunk_tokens=self.args.chunk_tokens, **options)
-        vocab = llm.engine.spec.vocab_size
         length = min(WARM_UP_TOKENS, self.args.doc_tokens)
-        warm_up = [[(7919 * i + 13 * j) % (vocab - 3) + 3 for j in range(length)] for i in (1, 2)]
+        warm_up = [passage_tokens(llm.engine.tokenizer, length, seed=-i) for i in (1, 2)]
         serve(llm.engine, warm_up, SamplingParams(max_tokens=2, temperature=0.0), 1, tag="warm-up")
         self.engines[name] = llm
 
