@@ -36,7 +36,12 @@ class KVStoreNotConfiguredError(RuntimeError):
 
 
 class ConnectorConfigError(ValueError):
-    """Store options that cannot work (too small a cpu tier, an unusable directory...)."""
+    """Store options that cannot work (too small a cpu tier, an unusable directory...);
+    `option` names the kvstore.StoreConfig field when one is to blame."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class ConnectorRequest(Protocol):
@@ -127,6 +132,8 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
 
     def tier_stats(self) -> dict[str, dict]: ...
 
+    def tier_health(self) -> dict[str, str]: ...
+
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int: ...
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int: ...
@@ -178,6 +185,9 @@ class NullConnector:
 
     def tier_stats(self) -> dict[str, dict]:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def tier_health(self) -> dict[str, str]:
+        return {}
 
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")

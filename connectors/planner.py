@@ -271,6 +271,12 @@ class Planner:
     def _waiting(self, state: RequestKV, request: ConnectorRequest, start: int, end: int) -> bool:
         """Whether the request waits on its probe or prefetch; starts the probe of the
         blocks past what memory knows, once per request."""
+        if (state.probe is not None and state.probe.done()) or (
+            state.prefetch is not None and state.prefetch.done()
+        ):
+            # What they found reaches the index through the store's events: apply them
+            # before the index is read, or a finished probe looks like a miss.
+            self.store.poll()
         if state.probe is not None and state.probe.done():
             state.probe = None
         if state.prefetch is not None and state.prefetch.done():

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DTYPES, EngineConfig, parse_size
+from engine.config import DTYPES, ConfigError, EngineConfig, parse_size
 
 _HELP = {
     "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a "
     ".gguf file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 "
     "(SmolLM2-135M-Instruct, installed by `kvtier download-model`).",
     "tokenizer": "Tokenizer directory, when it differs from --model.",
+    "chat_template": "Chat template to use instead of the model's: a Jinja file, or the "
+    "template itself (a value with braces or a newline).",
     "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
     "file: its float type, bfloat16 when quantized).",
     "device": "auto (CUDA when available), cpu, cuda or cuda:N.",
@@ -41,6 +43,8 @@ _HELP = {
     "kv_secret_file": "File holding the --kv-secret (its text without the trailing newline).",
     "kv_save_decode": "Also save chunks completed during decoding, not only prompt chunks.",
     "kv_load_timeout": "Seconds to wait for a disk/redis load before recomputing instead.",
+    "max_logprobs": "Most top logprobs a request may ask for (completions `logprobs`, chat "
+    "`top_logprobs`); more is refused.",
 }
 _SIZE_OPTIONS = {"kv_cache_memory", "kv_offload_cpu_size", "kv_offload_disk_size"}
 _CHOICES = {
@@ -87,12 +91,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         elif name in _CHOICES:
             group.add_argument(flag, choices=_CHOICES[name], default=None, help=help_text)
         elif isinstance(default, int) or name in ("num_kv_blocks", "max_model_len"):
-            kind = int if name == "seed" else _positive_int
+            kind = int if name in ("seed", "max_logprobs") else _positive_int
             group.add_argument(flag, type=kind, default=None, help=help_text)
         elif isinstance(default, float):
             group.add_argument(flag, type=float, default=None, help=help_text)
         else:
             group.add_argument(flag, type=str, default=None, help=help_text)
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """`kvtier serve MODEL`, as `vllm serve MODEL`: the model as the first argument."""
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="The model to serve, as --model takes it (give one of the two).")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -102,6 +112,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         for name in EngineConfig.option_names()
         if getattr(args, name, None) is not None
     }
+    positional = getattr(args, "model_tag", None)
+    if positional is not None:
+        if given.get("model", positional) != positional:
+            raise ConfigError(
+                "model", f"the model is given twice, as MODEL {positional!r} and as --model "
+                f"{given['model']!r}; give one of them"
+            )
+        given["model"] = positional
     if given.get("kv_compress") == "none":
         given["kv_compress"] = None
     return EngineConfig(**given)

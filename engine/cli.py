@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.arg_utils import add_engine_arguments, config_from_args
+from engine.arg_utils import add_engine_arguments, add_model_positional, config_from_args
 from engine.builtin_models import BUILTIN_MODELS, builtin_names_help
 from engine.config import ConfigError
 from engine.models import ModelLoadError, UnsupportedArchitectureError
@@ -22,13 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvtier",
         description="Tiered KV-cache offload for a paged-attention LLM engine.",
-        epilog="--model takes a Hugging Face checkpoint directory, a .gguf file, or a built-in "
-        f"model:\n{builtin_names_help()}",
+        epilog="MODEL (`kvtier serve MODEL`) or --model takes a Hugging Face checkpoint "
+        f"directory, a .gguf file, or a built-in model:\n{builtin_names_help()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server.")
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server.", usage="kvtier serve [MODEL] [options]"
+    )
+    add_model_positional(serve)
     add_engine_arguments(serve)
     from engine.server.cli_args import add_server_arguments
 

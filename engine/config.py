@@ -64,6 +64,29 @@ def read_secret_file(path: str) -> str:
     return secret
 
 
+# A --chat-template value with any of these characters is a template, else a file path.
+JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """The template `--chat-template` names: the text of a file, or the value itself
+    when it looks like a Jinja template (as vLLM decides)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("chat_template", f"cannot read {value}: {exc}") from None
+    if any(c in value for c in JINJA_CHARS):
+        return value
+    raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template")
+
+
+def redact_url(url: str) -> str:
+    """`url` without its credentials (redis://:secret@host -> redis://***@host)."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
 def default_disk_path() -> str:
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache_home, "kvtier", "kv")
@@ -75,6 +98,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None  # a file is read into the template text at construction
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -98,6 +122,7 @@ class EngineConfig:
     kv_secret_file: str | None = None  # read into kv_secret at construction, then None
     kv_save_decode: bool = False
     kv_load_timeout: float = 10.0
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         self.kv_offload = parse_offload(self.kv_offload)
@@ -105,6 +130,8 @@ class EngineConfig:
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
         if self.kv_secret_file is not None:
             if self.kv_secret:
                 raise ConfigError("kv_secret_file", "give --kv-secret or --kv-secret-file, not both")
@@ -140,6 +167,8 @@ class EngineConfig:
             raise ConfigError("kv_compress", f"{self.kv_compress!r} is not lz4 or none")
         if "redis" in self.kv_offload and not self.kv_redis_url:
             raise ConfigError("kv_redis_url", "the redis tier needs --kv-redis-url redis://host:port")
+        if self.max_logprobs < 0:
+            raise ConfigError("max_logprobs", f"must be >= 0, got {self.max_logprobs}")
         if self.kv_load_timeout <= 0:
             raise ConfigError("kv_load_timeout", f"must be positive, got {self.kv_load_timeout}")
 

@@ -3,19 +3,39 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from connectors.base import ConnectorConfigError, KVConnector, NullConnector
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, redact_url
 from engine.kv_cache_manager import cdiv
+
+logger = logging.getLogger(__name__)
 
 STAGING_MAX_BYTES = 1 << 30
 STAGING_SLACK_RECORDS = 8
 
 
+# The engine flag of each kvstore.StoreConfig option the engine sets (store_options).
+STORE_OPTION_FLAGS = {
+    "tiers": "kv_offload",
+    "cpu_size": "kv_offload_cpu_size",
+    "disk_path": "kv_offload_disk_path",
+    "disk_size": "kv_offload_disk_size",
+    "redis_url": "kv_redis_url",
+    "compress": "kv_compress",
+    "secret": "kv_secret",
+    "load_timeout_s": "kv_load_timeout",
+}
+PROBE_TIMEOUT_S = 5.0
+
+
 def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: bytes) -> KVConnector:
     """`config.max_model_len` must be resolved (LLMEngine does it). Store option errors
-    become ConfigError on --kv-offload."""
+    become ConfigError on the flag to blame (--kv-offload when none is). A shared tier
+    that does not answer is a warning, not an error: the engine serves without it and
+    the tier comes back by itself when its server does."""
     if not config.kv_offload:
         return NullConnector()
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
@@ -24,9 +44,17 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
     options = store_options(config)
     options["staging_size"] = staging_size(config, chunk_bytes(config, kv_cache))
     try:
-        return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **options)
+        connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **options)
     except ConnectorConfigError as exc:
-        raise ConfigError("kv_offload", str(exc)) from exc
+        raise ConfigError(STORE_OPTION_FLAGS.get(exc.option, "kv_offload"), str(exc)) from exc
+    if connector.store.probe_remote(PROBE_TIMEOUT_S):
+        logger.warning(
+            "the redis tier at %s does not answer: serving without it (no KV sharing) until "
+            "it does; it is probed in the background and comes back by itself, /health "
+            "reports it degraded and /ready answers 503 meanwhile",
+            redact_url(config.kv_redis_url or ""),
+        )
+    return connector
 
 
 def store_options(config: EngineConfig) -> dict:

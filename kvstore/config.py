@@ -15,6 +15,8 @@ from tiers.pins import PinTable
 from tiers.redis_tier import RedisTier
 
 TIER_ORDER = ("cpu", "disk", "redis")
+# The option a tier's own configuration error is about (sizes are checked before).
+TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
 COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
 GiB = 1024**3
 
@@ -61,9 +63,11 @@ class StoreConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         if "disk" in self.tiers and not self.disk_path:
-            raise StoreConfigError("the disk tier needs disk_path")
+            raise StoreConfigError("the disk tier needs disk_path", "disk_path")
+        if "disk" in self.tiers and self.disk_size <= 0:
+            raise StoreConfigError(f"the disk tier needs a positive size, got {self.disk_size}", "disk_size")
         if "redis" in self.tiers and not self.redis_url:
-            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)")
+            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)", "redis_url")
         if self.compress not in COMPRESS_OPTIONS:
             raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4")
         if self.disk_fsync not in FSYNC_POLICIES:
@@ -88,11 +92,12 @@ def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> Cpu
     try:
         return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain)
     except TierConfigError as exc:
-        raise StoreConfigError(str(exc)) from exc
+        raise StoreConfigError(str(exc), "cpu_size" if retain else "staging_size") from exc
 
 
 def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> list[RecordTier]:
-    """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError."""
+    """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError
+    naming the tier's option."""
     builders = {
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,
                                  head_bytes=codec.head_size),
@@ -106,7 +111,12 @@ def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) 
             probe_interval_s=config.redis_probe_interval_s,
         ),
     }
-    try:
-        return [builders[name]() for name in config.tiers if name != "cpu"]
-    except TierConfigError as exc:
-        raise StoreConfigError(str(exc)) from exc
+    tiers = []
+    for name in config.tiers:
+        if name == "cpu":
+            continue
+        try:
+            tiers.append(builders[name]())
+        except TierConfigError as exc:
+            raise StoreConfigError(str(exc), TIER_OPTIONS[name]) from exc
+    return tiers

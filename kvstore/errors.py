@@ -13,7 +13,12 @@ class StoreError(Exception):
 
 
 class StoreConfigError(StoreError, ValueError):
-    """Store options that cannot work."""
+    """Store options that cannot work; `option` names the StoreConfig field when one is
+    to blame."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class StoreClosedError(StoreError, RuntimeError):

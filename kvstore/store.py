@@ -478,6 +478,25 @@ class TieredStore:
             worker_restarts=self._runtime.restarts(),
         )
 
+    def health(self) -> dict[str, str]:
+        """Each tier's health state, read now."""
+        return {t.name: t.health.state.value for t in self.tiers}
+
+    def probe_remote(self, timeout_s: float = 5.0) -> list[str]:
+        """Probe every remote tier now (its health follows the answer); the names of
+        those that did not answer. A dead tier keeps being probed in the background and
+        comes back by itself."""
+        down = []
+        for tier in self.lower:
+            if tier.remote:
+                try:
+                    answered = self._runtime.call(tier.probe(), timeout_s)
+                except TimeoutError:
+                    answered = False
+                if not answered:
+                    down.append(tier.name)
+        return down
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish pending writes (up to `timeout_s`), then cancel what is left: a
         cancelled disk write leaves only a temporary file, never a torn record."""

@@ -92,6 +92,11 @@ class Tier(ABC):
         """Long-running coroutines (name, factory) the store runs and supervises."""
         return ()
 
+    async def probe(self) -> bool:
+        """Ask the tier's server whether it answers now (its health follows the answer);
+        a tier without a server answers True."""
+        return True
+
     async def aclose(self) -> None:
         """Release connections and file handles; the tier is unusable afterwards."""
         return None

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import ConfigError, parse_size
+from engine.server.auth import API_KEY_ENVS
 
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
 MIN_ADMIN_TOKEN_CHARS = 16
@@ -18,6 +19,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
     enable_kv_admin: bool = False
     admin_token: str | None = None
     max_waiting_requests: int = 256
@@ -81,8 +83,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=defaults.port,
                        help="TCP port; 0 picks a free one, printed at startup (default: %(default)s).")
     group.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
-                       help="Model name(s) clients put in the `model` field; the first one is "
-                       "reported in responses (default: the --model value, or builtin:smollm2).")
+                       help="Model name(s) clients put in the `model` field: /v1/models lists "
+                       "them all, requests may use any, responses report the first (default: the "
+                       "MODEL value, or builtin:smollm2). Give MODEL before this flag.")
+    group.add_argument("--api-key", default=_env_api_key(), metavar="KEY",
+                       help="Require `Authorization: Bearer KEY` on every /v1/ request (401 "
+                       "otherwise); /health, /ready, /metrics and /version stay open "
+                       f"(default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}; prefer the "
+                       "variables, command lines are visible to other users).")
     group.add_argument("--enable-kv-admin", action="store_true",
                        help="Serve the KV admin API under /kv/ (stats, pin, unpin, flush). "
                        "Requires --admin-token.")
@@ -121,12 +129,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Server log level (default: %(default)s).")
 
 
+def _env_api_key() -> str | None:
+    return next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Build and validate the settings; a bad value raises ConfigError naming the flag."""
     settings = ServerSettings(
         host=args.host,
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or None,
         enable_kv_admin=args.enable_kv_admin,
         admin_token=args.admin_token or None,
         max_waiting_requests=args.max_waiting_requests,
