@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import heapq
 import json
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,10 +26,10 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
+from bench.text_corpus import passage_tokens
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 
-FIRST_TOKEN_ID = 3  # ids 0-2 are <pad>, <s>, </s> in the built-in tokenizer
 WARMUP_SALT = "bench-warmup"
 
 # Named engine variants (options on top of the workload's own); a Variant is a label and
@@ -156,7 +155,7 @@ def variant_llm(args: argparse.Namespace, variant: dict[str, object], **override
 
 def warm_up(llm: LLM) -> None:
     """One short prefill and a few decode steps, salted so that nothing is shared with the workload."""
-    prompt = random_tokens(random.Random(-1), 128, vocab_size(llm))
+    prompt = passage_tokens(llm.engine.tokenizer, 128, seed=-1)
     llm.generate([prompt], greedy(4), use_tqdm=False, cache_salt=WARMUP_SALT)
 
 
@@ -164,15 +163,7 @@ def engine_config(llm: LLM) -> dict[str, object]:
     return json.loads(json.dumps(dataclasses.asdict(llm.engine.config), default=str))
 
 
-# ---- tokens -------------------------------------------------------------------------------
-
-
-def vocab_size(llm: LLM) -> int:
-    return llm.engine.spec.vocab_size
-
-
-def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
+# ---- sampling -----------------------------------------------------------------------------
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -39,10 +39,11 @@ SIZED_WORKLOADS = {
                    "--capacity-fraction", "0.5", "--chunk-tokens", "16"],
     "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
                        "--chunk-tokens", "16"],
+    "store-hits": ["--num-docs", "2", "--doc-tokens", "64", "--max-tokens", "2", "--chunk-tokens", "32"],
     "startup": ["--smoke"],
     "rag-blend": ["--smoke", "--threads", "0"],
 }
-NEEDS_REDIS = ("cross-instance",)
+NEEDS_REDIS = ("cross-instance", "store-hits")
 # the store alone (its --skip-model-kv skips the model's KV); the built-in model's start-up
 NO_MODEL = ("store", "startup")
 ALL_WORKLOADS = (*SMOKE_WORKLOADS, *SIZED_WORKLOADS)
@@ -123,6 +124,15 @@ def test_zero_reuse_pairs_interleaved_passes(smoke_run) -> None:
     assert pair["wall_ratio"] == pytest.approx(sum(pair["wall_ratios"]) / 2)
     assert len(pair["cpu_ratios"]) == 2 and pair["cpu_ratio"] > 0
     assert "Per pass:" in (smoke_run("zero-reuse") / "zero-reuse.md").read_text()
+
+
+def test_store_hits_pairs_every_store_with_the_device_hit(smoke_run) -> None:
+    result = json.loads((smoke_run(runnable("store-hits")) / "store-hits.json").read_text())
+    engines = {"cpu", "disk", "redis", "disk, 2nd instance", "redis, 2nd instance"}
+    assert set(result["ratios"]) == engines
+    replay = {name: rounds[1]["hits"] for name, rounds in result["rounds"].items() if name in engines}
+    assert replay["cpu"]["cpu"] > 0 and replay["disk"]["disk"] > 0 and replay["redis"]["redis"] > 0
+    assert replay["disk, 2nd instance"]["disk"] > 0 and replay["redis, 2nd instance"]["redis"] > 0
 
 
 def test_store_result_has_each_tier_and_lz4_rows(smoke_run) -> None:
