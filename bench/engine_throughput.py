@@ -40,6 +40,7 @@ from bench.summary import publish, run_stamp, workload_parser
 from bench.text_corpus import MODULES, CorpusTokens, module_text
 from engine import LLM, SamplingParams
 from engine.builtin_models import resolve_model
+from engine.config import ServerConfig
 
 NAME = "engine"
 COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
@@ -198,10 +199,9 @@ def stream_gap(llm: LLM, stream_prompt: list[int], args: argparse.Namespace) -> 
     """Serve `llm`'s engine; the longest gap of a streamed completion while a big text
     prompt is posted. The engine belongs to the server afterwards."""
     from engine.server.api_server import build_app
-    from engine.server.cli_args import ServerSettings
     from engine.server.state import create_state
 
-    settings = ServerSettings(log_level="warning")
+    settings = ServerConfig(log_level="warning")
     state = create_state(llm.engine, settings, ("bench",))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

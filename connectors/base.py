@@ -35,7 +35,12 @@ class KVStoreNotConfiguredError(RuntimeError):
 
 
 class ConnectorConfigError(ValueError):
-    """Store options that cannot work (too small a cpu tier, an unusable directory...)."""
+    """Store options that cannot work (too small a cpu tier, an unusable directory...);
+    `store_field` names the kvstore.StoreConfig field at fault, when one is."""
+
+    def __init__(self, message: str, store_field: str | None = None) -> None:
+        super().__init__(message)
+        self.store_field = store_field
 
 
 class ConnectorRequest(Protocol):

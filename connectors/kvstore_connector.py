@@ -59,16 +59,16 @@ from connectors.chunks import ChunkGeometry, ChunkSave, LoadJob, StepMeta
 from connectors.stats import ConnectorCounters, tier_view
 from connectors.transfer import BlockTransfer, HostChunk
 from kernels.staging import CopyEvent
-from kvstore import ChunkKey, ChunkSpec, StoreConfigError, TieredStore
+from kvstore import ChunkKey, ChunkSpec, StoreConfig, StoreConfigError, TieredStore
 
 CPU_TIER = "cpu"
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    chunk_tokens: int = 256
+    chunk_tokens: int
     save_decode: bool = False
-    load_timeout_s: float = 10.0
+    load_timeout_s: float = StoreConfig.load_timeout_s
     staging_chunks: int = 64  # host staging buffers of one chunk each
 
 
@@ -104,7 +104,7 @@ class KVStoreConnector:
             )
             store = TieredStore.from_options(spec, **store_options)
         except StoreConfigError as exc:
-            raise ConnectorConfigError(str(exc)) from exc
+            raise ConnectorConfigError(str(exc), exc.field) from exc
         return cls(store, kv_cache, settings)
 
     # ---- scheduler side -------------------------------------------------------------------

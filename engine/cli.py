@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.arg_utils import add_engine_arguments, config_from_args
+from engine.arg_utils import add_config_arguments, config_from_args, load_options
 from engine.builtin_models import BUILTIN_MODELS, builtin_names_help
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig, ServerConfig
 from engine.models import ModelLoadError, UnsupportedArchitectureError
 
 
@@ -29,10 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server.")
-    add_engine_arguments(serve)
-    from engine.server.cli_args import add_server_arguments
-
-    add_server_arguments(serve)
+    add_config_arguments(serve, EngineConfig, ServerConfig)
 
     gen = commands.add_parser("generate", help="Generate text for one or more prompts offline.")
     gen.add_argument("--prompt", action="append", required=True, help="A prompt (repeat for several).")
@@ -44,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", dest="chat", action="store_false",
                      help="Complete each prompt as raw text. By default a model with a chat "
                      "template gets each prompt as a user message.")
-    add_engine_arguments(gen)
+    add_config_arguments(gen, EngineConfig)
 
     bench = commands.add_parser("bench", help="Run a benchmark workload (see `kvtier bench --help`).")
     from bench.cli import add_bench_arguments
@@ -74,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (ConfigError, ModelLoadError, UnsupportedArchitectureError) as exc:
-        parser.exit(2, f"kvtier: error: {exc}\n")
+        parser.exit(2, f"kvtier {args.command}: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
 
@@ -104,7 +101,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from engine.server.api_server import serve
 
-    return serve(config_from_args(args), args)
+    config, settings = load_options(args, EngineConfig, ServerConfig)
+    return serve(config, settings)
 
 
 def _bench(args: argparse.Namespace) -> int:

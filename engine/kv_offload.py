@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from connectors.base import ConnectorConfigError, KVConnector, NullConnector
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, store_option
 from engine.kv_cache_manager import cdiv
 
 STAGING_MAX_BYTES = 1 << 30
@@ -14,8 +14,8 @@ STAGING_SLACK_CHUNKS = 8
 
 
 def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: bytes) -> KVConnector:
-    """`config.max_model_len` must be resolved (LLMEngine does it). Store option errors
-    become ConfigError on --kv-offload."""
+    """`config.max_model_len` must be resolved (LLMEngine does it). A store option error
+    becomes a ConfigError naming the option at fault (--kv-offload when no single one is)."""
     if not config.kv_offload:
         return NullConnector()
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
@@ -27,23 +27,9 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
         staging_chunks=staging_chunks(config, chunk_bytes(config, kv_cache)),
     )
     try:
-        return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **store_options(config))
+        return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **config.store_options())
     except ConnectorConfigError as exc:
-        raise ConfigError("kv_offload", str(exc)) from exc
-
-
-def store_options(config: EngineConfig) -> dict:
-    """kvstore.StoreConfig options from the engine's --kv-* flags."""
-    return {
-        "tiers": config.kv_offload,
-        "cpu_size": config.kv_offload_cpu_size,
-        "disk_path": config.disk_path if "disk" in config.kv_offload else None,
-        "disk_size": config.kv_offload_disk_size,
-        "redis_url": config.kv_redis_url,
-        "compress": None if config.kv_compress in (None, "none") else config.kv_compress,
-        "secret": config.kv_secret,
-        "load_timeout_s": config.kv_load_timeout,
-    }
+        raise ConfigError(store_option(exc.store_field), str(exc)) from exc
 
 
 def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:

@@ -6,7 +6,6 @@ its stats, the admin operations (pin, unpin, flush) and its shutdown.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -64,8 +63,8 @@ class LLMEngine:
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)
         self.model_path = model_path
-        self.config = dataclasses.replace(
-            config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)
+        self.config = config.model_copy(
+            update={"model": model_path, "max_model_len": self._max_model_len(config.max_model_len)}
         )
         self.fingerprint = model_fingerprint(self.spec, self.dtype, config.block_size)
         self.num_kv_blocks = self._num_kv_blocks()

@@ -13,7 +13,12 @@ class StoreError(Exception):
 
 
 class StoreConfigError(StoreError, ValueError):
-    """Store options that cannot work."""
+    """Store options that cannot work; `field` names the StoreConfig field at fault
+    (None when no single one is), so that a front end can name its own option."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StoreClosedError(StoreError, RuntimeError):
