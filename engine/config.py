@@ -20,7 +20,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+)
 from pydantic.fields import FieldInfo
 
 from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
@@ -120,7 +128,8 @@ def _device(value: str) -> str:
     return value
 
 
-Size = Annotated[int, BeforeValidator(parse_size)]
+# dumped as its exact spelling with a unit, so that a dump rebuilds the same config
+Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(lambda n: format_size(n), return_type=str)]
 Tiers = Annotated[tuple[str, ...], BeforeValidator(_tiers)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
 PositiveInt = Annotated[int, Field(gt=0)]

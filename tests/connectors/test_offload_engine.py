@@ -216,5 +216,5 @@ def test_cpu_disk_works_with_no_other_flag(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_a_store_that_cannot_work_is_a_config_error(tiny_llama):
-    with pytest.raises(ConfigError, match="^kv_offload_cpu_size: cpu tier of 1000 bytes"):
+    with pytest.raises(ConfigError, match=r"^kv_offload_cpu_size: cpu tier of 1000 bytes"):
         LLM(model=tiny_llama, dtype="float32", kv_offload="cpu", kv_offload_cpu_size="1000B")
