@@ -14,9 +14,9 @@ from engine.arg_utils import add_config_arguments, config_from_args, load_option
 from engine.cli import build_parser
 from engine.config import (
     ADMIN_TOKEN_ENV,
-    GiB,
     ConfigError,
     EngineConfig,
+    GiB,
     ServerConfig,
     flag_name,
     parse_size,
@@ -92,9 +92,9 @@ def test_vllm_offloading_aliases():
     assert config.kv_offload == ("cpu",) and config.kv_offload_cpu_size == 3 * GiB
     config, _ = serve_options("--kv-offloading-backend", "native", "--kv-offload", "disk")
     assert config.kv_offload == ("cpu", "disk") and config.kv_offload_cpu_size == StoreConfig.cpu_size
-    with pytest.raises(ConfigError, match="^--kv-offloading-backend"):
+    with pytest.raises(ConfigError, match=r"^--kv-offloading-backend"):
         serve_options("--kv-offloading-backend", "lmcache")
-    with pytest.raises(ConfigError, match="^--kv-offloading-size: give it or --kv-offload-cpu-size"):
+    with pytest.raises(ConfigError, match=r"^--kv-offloading-size: give it or --kv-offload-cpu-size"):
         serve_options("--kv-offloading-size", "3", "--kv-offload-cpu-size", "1")
     # folded in: the config rebuilt from its own values is the same config
     assert EngineConfig(**config.model_dump()) == config
