@@ -34,7 +34,7 @@ import torch
 import uvicorn
 
 from bench import hf_baselines, plots
-from bench.common import markdown_table, median
+from bench.common import markdown_table, median, parse_with_smoke
 from bench.profiling import profile_call, profile_note, profile_tables
 from bench.summary import publish, run_stamp, workload_parser
 from bench.text_corpus import MODULES, CorpusTokens, module_text
@@ -46,6 +46,11 @@ NAME = "engine"
 COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
 ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
 PARTS = ("prefill", "decode", "decode_batch", "mixed", "stream_gap")
+
+
+SMOKE = {"prefill_lens": [32, 64], "repeats": 1, "decode_context": 40, "decode_steps": 3, "batch_decode": 3,
+         "batch_context": 20, "num_prompts": 3, "prompt_len": [8, 24], "output_len": [2, 6], "hf_batch_size": 2,
+         "big_prompt_bytes": 200_000, "stream_tokens": 24}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Size of the text prompt posted during the stream.")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="The parts to run (default: all).")
     p.add_argument("--stream-tokens", type=int, default=256, help="Tokens of the streamed completion.")
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 @dataclass
