@@ -98,6 +98,7 @@ def add_engine_args(parser: argparse.ArgumentParser, num_kv_blocks: int, max_num
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     g.add_argument("--kv-offload-cpu-size", default="4GiB")
+    g.add_argument("--kv-chunk-tokens", type=int, default=256, help="Tokens per stored chunk (default 256).")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared CPU, threads that spin-wait for "
@@ -130,6 +131,7 @@ def engine_options(args: argparse.Namespace, **overrides: object) -> dict[str, o
         "model": args.model, "dtype": args.dtype, "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed, "kv_offload_cpu_size": args.kv_offload_cpu_size,
+        "kv_chunk_tokens": args.kv_chunk_tokens,
     }
     options.update(overrides)
     return options

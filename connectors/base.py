@@ -36,11 +36,11 @@ class KVStoreNotConfiguredError(RuntimeError):
 
 class ConnectorConfigError(ValueError):
     """Store options that cannot work (too small a cpu tier, an unusable directory...);
-    `store_field` names the kvstore.StoreConfig field at fault, when one is."""
+    `option` names the kvstore.StoreConfig field when one is to blame."""
 
-    def __init__(self, message: str, store_field: str | None = None) -> None:
+    def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
-        self.store_field = store_field
+        self.option = option
 
 
 class ConnectorRequest(Protocol):

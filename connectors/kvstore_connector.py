@@ -104,7 +104,7 @@ class KVStoreConnector:
             )
             store = TieredStore.from_options(spec, **store_options)
         except StoreConfigError as exc:
-            raise ConnectorConfigError(str(exc), exc.field) from exc
+            raise ConnectorConfigError(str(exc), exc.option) from exc
         return cls(store, kv_cache, settings)
 
     # ---- scheduler side -------------------------------------------------------------------

@@ -312,7 +312,7 @@ class StoreOptions(Options):
         try:
             StoreConfig(**{**self.store_options(), "tiers": self.kv_offload or ("cpu",)})
         except StoreConfigError as exc:
-            raise ConfigError(store_option(exc.field), str(exc)) from None
+            raise ConfigError(store_option(exc.option), str(exc)) from None
 
     @property
     def disk_path(self) -> str:

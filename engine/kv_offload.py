@@ -29,7 +29,7 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
     try:
         return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **config.store_options())
     except ConnectorConfigError as exc:
-        raise ConfigError(store_option(exc.store_field), str(exc)) from exc
+        raise ConfigError(store_option(exc.option), str(exc)) from exc
 
 
 def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:

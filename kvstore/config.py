@@ -16,8 +16,8 @@ from tiers.redis_tier import RedisTier
 
 TIER_ORDER = ("cpu", "disk", "redis")
 COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
-# the tier's StoreConfig field that a TierConfigError at its construction is blamed on
-TIER_FIELDS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
+# The option a tier's own configuration error is about (sizes are checked before).
+TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
 GiB = 1024**3
 
 
@@ -104,5 +104,5 @@ def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Ti
         try:
             tiers.append(builders[name]())
         except TierConfigError as exc:
-            raise StoreConfigError(str(exc), TIER_FIELDS[name]) from exc
+            raise StoreConfigError(str(exc), TIER_OPTIONS[name]) from exc
     return tiers

@@ -13,12 +13,12 @@ class StoreError(Exception):
 
 
 class StoreConfigError(StoreError, ValueError):
-    """Store options that cannot work; `field` names the StoreConfig field at fault
-    (None when no single one is), so that a front end can name its own option."""
+    """Store options that cannot work; `option` names the StoreConfig field when one is
+    to blame (so that a front end can name its own flag)."""
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
-        self.field = field
+        self.option = option
 
 
 class StoreClosedError(StoreError, RuntimeError):

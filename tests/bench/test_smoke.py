@@ -81,6 +81,25 @@ def test_workload_writes_valid_results(smoke_run, tiny_model_factory, workload: 
     assert (directory / f"{workload}.png").read_bytes().startswith(PNG_MAGIC)
 
 
+# Workloads whose smoke must load KV from the store (not only save it), and where it shows.
+STORE_LOADS = {"multi-round-qa": "store_hit_tokens", "rag": "store_hit_tokens",
+               "agent-replay": "store_hit_tokens", "preemption": "loaded_tokens", "cross-instance": "redis"}
+
+
+def values_of(data: object, key: str) -> list[object]:
+    if isinstance(data, dict):
+        return [v for k, v in data.items() if k == key] + [x for v in data.values() for x in values_of(v, key)]
+    if isinstance(data, list):
+        return [x for v in data for x in values_of(v, key)]
+    return []
+
+
+@pytest.mark.parametrize("workload", STORE_LOADS)
+def test_smoke_sizes_load_from_the_store(smoke_run, workload: str) -> None:
+    result = json.loads((smoke_run(runnable(workload)) / f"{workload}.json").read_text())
+    assert max(values_of(result, STORE_LOADS[workload])) > 0
+
+
 def test_long_doc_qa_result_has_paired_concurrent_and_floor_table(smoke_run) -> None:
     directory = smoke_run("long-doc-qa")
     result = json.loads((directory / "long-doc-qa.json").read_text())
