@@ -9,10 +9,10 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import disable_created_metrics
 
@@ -21,6 +21,7 @@ from engine.server import admin
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.server.request_body import json_body
 from engine.server.serving import create_chat_completion, create_completion
 from engine.server.state import ServerState, create_state, default_model_names
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 router = APIRouter()
+# Bodies parsed off the event loop (engine/server/request_body.py).
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
 
 
 def _state(request: Request) -> ServerState:
@@ -35,14 +39,14 @@ def _state(request: Request) -> ServerState:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
+async def completions(request: Request, body: CompletionBody) -> Response:
     state = _state(request)
     state.check_prompt_count(len(body.prompt))  # before any prompt is tokenized
     return await create_completion(state, body, request)
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(request: Request, body: ChatCompletionBody) -> Response:
     return await create_chat_completion(_state(request), body, request)
 
 
