@@ -71,7 +71,7 @@ def _help(field: Any, meta: dict[str, Any]) -> str:
     if default not in (None, ()) and field.repr:
         text += f" (default: {default})"
     if meta.get("env"):
-        text += f" Also read from ${meta['env']}."
+        text += " Also read from " + ", else ".join(f"${name}" for name in meta["env"]) + "."
     return text.replace("%", "%%")
 
 
@@ -122,9 +122,9 @@ def load_options(args: argparse.Namespace, *sections: type[Options]) -> list[Opt
     for section in sections:
         values: dict[str, Any] = {}
         for name, field in section.model_fields.items():
-            env = option_meta(field).get("env")
-            if env and os.environ.get(env):
-                values[name] = os.environ[env]
+            from_env = [os.environ[var] for var in option_meta(field).get("env", ()) if os.environ.get(var)]
+            if from_env:
+                values[name] = from_env[0]
             if name in from_file:
                 values[name] = from_file[name]
             if hasattr(args, name):

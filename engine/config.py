@@ -139,14 +139,14 @@ _STORE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
 STORE_DEFAULT = object()  # an option whose default is its kvstore.StoreConfig field's
 
 
-def option(default: Any, help: str, *, metavar: str | None = None, env: str | None = None,
+def option(default: Any, help: str, *, metavar: str | None = None, env: tuple[str, ...] = (),
            store: str | None = None, secret: bool = False) -> Any:
     """A field of the tree. `store` names the kvstore.StoreConfig field it feeds (its
-    default is taken from there when `default` is `STORE_DEFAULT`); `env` an environment
-    variable read when neither flag nor config file sets it."""
+    default is taken from there when `default` is `STORE_DEFAULT`); `env` environment
+    variables read, the first one set, when neither flag nor config file sets it."""
     if default is STORE_DEFAULT:
         default = _STORE_DEFAULTS[store]
-    extra = {"metavar": metavar, "env": env, "store": store}
+    extra = {"metavar": metavar, "env": list(env), "store": store}
     return Field(default, description=help, repr=not secret, json_schema_extra=extra)
 
 
@@ -376,7 +376,7 @@ class ServerConfig(Options):
     admin_token: str | None = option(
         None, f"Bearer token of the KV admin API, at least {MIN_ADMIN_TOKEN_CHARS} characters "
         "(prefer the environment variable: command lines are visible to other users).",
-        metavar="TOKEN", env=ADMIN_TOKEN_ENV, secret=True)
+        metavar="TOKEN", env=(ADMIN_TOKEN_ENV,), secret=True)
     max_waiting_requests: Annotated[int, Field(ge=0)] = option(
         256, "Requests that may wait beyond the --max-num-seqs running ones; past that the server "
         "answers 503 with Retry-After.", metavar="N")
