@@ -45,6 +45,8 @@ def _decode(raw: bytes) -> object:
         return json.loads(raw)
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The request body is not valid UTF-8 JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply.", code="invalid_json") from None
     except json.JSONDecodeError as exc:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",

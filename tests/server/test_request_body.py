@@ -79,3 +79,9 @@ def test_invalid_utf8_is_a_400():
     response = _post(b'{"prompt": "\xff\xfe"}')
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_deeply_nested_json_is_a_400():
+    response = _post(b"[" * 50_000 + b"]" * 50_000)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
