@@ -13,12 +13,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from reliability_support import CHUNK, ColdOracle, FaultServer
+from reliability_support import (
+    ADMIN_TOKEN,
+    BODY_READ_TIMEOUT_S,
+    BODY_READS_PER_CLIENT,
+    CHUNK,
+    ColdOracle,
+    FaultServer,
+)
 from scorecard import Scorecard
-
-ADMIN_TOKEN = "reliability-admin-token-0123456789"
-BODY_READ_TIMEOUT_S = 2.0  # the fault server's --body-read-timeout
-BODY_READS_PER_CLIENT = 8  # its --max-body-reads-per-client
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,9 @@ from tests.server.server_helpers import ServerProcess
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CHUNK = 32  # tokens per stored chunk: two blocks of 16
+ADMIN_TOKEN = "reliability-admin-token-0123456789"
+BODY_READ_TIMEOUT_S = 2.0  # the fault server's --body-read-timeout
+BODY_READS_PER_CLIENT = 8  # its --max-body-reads-per-client
 VOCAB = 480
 POISON_TOKEN = 3  # never drawn by random_prompts: the poisoned model fails on it ...
 POISON_AT = 40  # ... at this position (always inside the prompt: greedy outputs may hold 3)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
 from reliability_support import (
+    ADMIN_TOKEN,
     ENGINE,
     GARBAGE,
     NAN_TOKEN,

@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import ADMIN_TOKEN, BODY_READ_TIMEOUT_S, BODY_READS_PER_CLIENT
 from prometheus_client.parser import text_string_to_metric_families
 from reliability_support import (
+    ADMIN_TOKEN,
+    BODY_READ_TIMEOUT_S,
+    BODY_READS_PER_CLIENT,
     CHUNK,
     ENGINE,
     REDIS_PREFIX,

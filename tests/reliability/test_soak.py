@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from reliability_support import ColdOracle, FaultServer, bytes_on_disk, random_prompts, rss_bytes
+from reliability_support import (
+    ADMIN_TOKEN,
+    ColdOracle,
+    FaultServer,
+    bytes_on_disk,
+    random_prompts,
+    rss_bytes,
+)
 from scorecard import Scorecard
 from sse_client import kv_stats, server_held_blocks, stream, wait_idle
 
