@@ -129,6 +129,8 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
 
     def tier_stats(self) -> dict[str, dict]: ...
 
+    def tier_health(self) -> dict[str, str]: ...
+
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int: ...
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int: ...
@@ -180,6 +182,9 @@ class NullConnector:
 
     def tier_stats(self) -> dict[str, dict]:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def tier_health(self) -> dict[str, str]:
+        return {}
 
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")

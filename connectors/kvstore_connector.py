@@ -221,6 +221,10 @@ class KVStoreConnector:
     def tier_stats(self) -> dict[str, dict]:
         return {name: tier_view(tier) for name, tier in self.store.stats().tiers.items()}
 
+    def tier_health(self) -> dict[str, str]:
+        """Each tier's health ("healthy" or "unhealthy"), read now (any thread)."""
+        return self.store.health()
+
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
         keys = self.store.chunk_keys(block_hashes, self.geometry.block_size)
         self.store.pin(keys, ttl_s)

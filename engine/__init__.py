@@ -1,8 +1,15 @@
 """kvtier's LLM engine. `from engine import LLM, SamplingParams`."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+
+try:
+    __version__ = version("kvtier")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):

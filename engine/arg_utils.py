@@ -35,10 +35,18 @@ _PARTS: dict[type[Options], tuple[type[Options], ...]] = {
     EngineConfig: (ModelOptions, SchedulerOptions, StoreOptions),
 }
 _SIZE_METAVARS = ("SIZE", "GiB")
+MODEL_POSITIONAL = "model_tag"  # the dest of `kvtier serve MODEL`
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, *sections: type[Options]) -> None:
-    """Add `--config` and one flag per option of `sections`, in their help groups."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *sections: type[Options], model_positional: bool = False
+) -> None:
+    """Add `--config` and one flag per option of `sections`, in their help groups; with
+    `model_positional`, also the model as an optional first argument (`kvtier serve
+    MODEL`, as `vllm serve MODEL`), which counts as --model."""
+    if model_positional:
+        parser.add_argument(MODEL_POSITIONAL, nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
+                            help="The model, as --model takes it (give one of the two).")
     parser.add_argument(
         "--config", metavar="FILE.yaml", default=None,
         help="Options from a YAML file: keys are the flag names without the leading dashes "
@@ -118,6 +126,7 @@ def load_options(args: argparse.Namespace, *sections: type[Options]) -> list[Opt
     unknown = sorted(set(from_file) - known)
     if unknown:
         raise ConfigError("config", f"{path}: {unknown[0]!r} is not an option of this command")
+    _fold_model_positional(args)
     built = []
     for section in sections:
         values: dict[str, Any] = {}
@@ -136,6 +145,19 @@ def load_options(args: argparse.Namespace, *sections: type[Options]) -> list[Opt
                 raise ConfigError(exc.option, f"{exc.message} (set in {path})") from None
             raise
     return built
+
+
+def _fold_model_positional(args: argparse.Namespace) -> None:
+    """MODEL given as the first argument is --model (a flag: it beats the config file)."""
+    positional = getattr(args, MODEL_POSITIONAL, None)
+    if positional is None:
+        return
+    flag = getattr(args, "model", positional)
+    if flag != positional:
+        raise ConfigError(
+            "model", f"the model is given twice, as MODEL {positional!r} and as --model {flag!r}; "
+            "give one of them")
+    args.model = positional
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -25,14 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvtier",
         description="Tiered KV-cache offload for a paged-attention LLM engine.",
-        epilog="--model takes a Hugging Face checkpoint directory, a .gguf file, or a built-in "
-        f"model:\n{builtin_names_help()}",
+        epilog="MODEL (`kvtier serve MODEL`) or --model takes a Hugging Face checkpoint "
+        f"directory, a .gguf file, or a built-in model:\n{builtin_names_help()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server.")
-    add_config_arguments(serve, EngineConfig, ServerConfig)
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server.", usage="kvtier serve [MODEL] [options]"
+    )
+    add_config_arguments(serve, EngineConfig, ServerConfig, model_positional=True)
 
     gen = commands.add_parser("generate", help="Generate text for one or more prompts offline.")
     gen.add_argument("--prompt", action="append", required=True, help="A prompt (repeat for several).")

@@ -39,6 +39,7 @@ GiB = 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OFFLOAD_TIERS = TIER_ORDER
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+API_KEY_ENVS = ("KVTIER_API_KEY", "VLLM_API_KEY")  # the first one set wins
 MIN_ADMIN_TOKEN_CHARS = 16
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -104,7 +105,7 @@ def format_size(nbytes: int) -> str:
 
 
 def _tiers(value: Any) -> tuple[str, ...]:
-    if value is None or value in ("", "none"):
+    if not value or value == "none":
         return ()
     try:
         return parse_tiers(value)
@@ -195,12 +196,22 @@ class ModelOptions(Options):
         "file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 (SmolLM2-135M-Instruct, "
         "installed by `kvtier download-model`).", metavar="MODEL")
     tokenizer: str | None = option(None, "Tokenizer directory, when it differs from --model.", metavar="DIR")
+    chat_template: str | None = option(
+        None, "Chat template to use instead of the model's: a Jinja file, or the template itself "
+        "(a value with braces or a newline).", metavar="TEMPLATE")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
         "file: its float type, bfloat16 when quantized).")
     device: Annotated[str, AfterValidator(_device)] = option(
         "auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
     seed: int = option(0, "Seed for weight-independent randomness (sampling without a per-request seed).")
+    max_logprobs: Annotated[int, Field(ge=0)] = option(
+        20, "Most top logprobs a request may ask for (completions `logprobs`, chat `top_logprobs`); "
+        "more is refused.", metavar="N")
+
+    def _check_model(self) -> None:
+        if self.chat_template is not None:  # a file becomes its text: a copy rebuilds the same
+            self.chat_template = load_chat_template(self.chat_template)
 
 
 class SchedulerOptions(Options):
@@ -342,6 +353,7 @@ class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions):
     default (builtin:smollm2)."""
 
     def check(self) -> None:
+        self._check_model()
         self._check_store()
         if self.preemption_mode == "offload" and "cpu" not in self.kv_offload:
             raise ConfigError("preemption_mode", "offload needs the cpu tier (--kv-offload cpu,...)")
@@ -369,8 +381,13 @@ class ServerConfig(Options):
     port: Annotated[int, Field(ge=0, le=65535)] = option(
         8000, "TCP port; 0 picks a free one, printed at startup.", metavar="PORT")
     served_model_name: Names = option(
-        (), "Model name(s) clients put in the `model` field; the first one is reported in "
-        "responses (default: the --model value, or builtin:smollm2).", metavar="NAME")
+        (), "Model name(s) clients put in the `model` field: /v1/models lists them all, requests "
+        "may use any, responses report the first (default: the MODEL value, or builtin:smollm2). "
+        "Give MODEL before this flag.", metavar="NAME")
+    api_key: str | None = option(
+        None, "Require `Authorization: Bearer KEY` on every /v1/ request (401 otherwise); /health, "
+        "/ready, /metrics and /version stay open (prefer the environment variables: command lines "
+        "are visible to other users).", metavar="KEY", env=API_KEY_ENVS, secret=True)
     enable_kv_admin: bool = option(
         False, "Serve the KV admin API under /kv/ (stats, pin, unpin, flush). Requires --admin-token.")
     admin_token: str | None = option(
@@ -430,6 +447,28 @@ def read_secret_file(path: str) -> str:
     if not secret:
         raise ConfigError("kv_secret_file", f"{path} holds no secret")
     return secret
+
+
+# A --chat-template value with any of these characters is a template, else a file path.
+JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """The template `--chat-template` names: the text of a file, or the value itself
+    when it looks like a Jinja template (as vLLM decides)."""
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # a template is rarely a valid name (too long, a NUL)
+        if any(c in value for c in JINJA_CHARS):
+            return value
+        if isinstance(exc, FileNotFoundError):
+            raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template") from None
+        raise ConfigError("chat_template", f"cannot read {value}: {exc}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` without its credentials (redis://:secret@host -> redis://***@host)."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def default_disk_path() -> str:

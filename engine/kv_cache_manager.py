@@ -106,6 +106,15 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(table, request.block_hashes, start, num_full)
         self.num_cached_blocks[request.request_id] = num_full
 
+    def share_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
+        """Start a request that holds no blocks with a reference on `blocks` (computed,
+        full blocks of another request with the same tokens): parallel sampling's fork."""
+        if request.request_id in self.req_to_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[request.request_id] = list(blocks)
+        self.num_cached_blocks[request.request_id] = len(blocks) if self.enable_caching else 0
+
     def free(self, request: Request) -> None:
         """Release the request's blocks tail first, so its prefix stays cached longest."""
         table = self.req_to_blocks.pop(request.request_id, None)

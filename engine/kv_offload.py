@@ -3,19 +3,27 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from connectors.base import ConnectorConfigError, KVConnector, NullConnector
-from engine.config import ConfigError, EngineConfig, store_option
+from engine.config import ConfigError, EngineConfig, redact_url, store_option
 from engine.kv_cache_manager import cdiv
+
+logger = logging.getLogger(__name__)
 
 STAGING_MAX_BYTES = 1 << 30
 STAGING_SLACK_CHUNKS = 8
 
+PROBE_TIMEOUT_S = 5.0
+
 
 def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: bytes) -> KVConnector:
-    """`config.max_model_len` must be resolved (LLMEngine does it). A store option error
-    becomes a ConfigError naming the option at fault (--kv-offload when no single one is)."""
+    """`config.max_model_len` must be resolved (LLMEngine does it). Store option errors
+    become ConfigError on the flag to blame (--kv-offload when none is). A shared tier
+    that does not answer is a warning, not an error: the engine serves without it and
+    the tier comes back by itself when its server does."""
     if not config.kv_offload:
         return NullConnector()
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
@@ -27,9 +35,17 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
         staging_chunks=staging_chunks(config, chunk_bytes(config, kv_cache)),
     )
     try:
-        return KVStoreConnector.from_options(kv_cache, fingerprint, settings, **config.store_options())
+        connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **config.store_options())
     except ConnectorConfigError as exc:
         raise ConfigError(store_option(exc.option), str(exc)) from exc
+    if connector.store.probe_remote(PROBE_TIMEOUT_S):
+        logger.warning(
+            "the redis tier at %s does not answer: serving without it (no KV sharing) until "
+            "it does; it is probed in the background and comes back by itself, /health "
+            "reports it degraded and /ready answers 503 meanwhile",
+            redact_url(config.kv_redis_url or ""),
+        )
+    return connector
 
 
 def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, load_chat_template
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = Sequence[Mapping[str, str]]
 
 
 class LLM:
@@ -65,6 +66,31 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages)
+        or to a list of conversations, as vLLM's `LLM.chat`: each goes through the chat
+        template (`chat_template`, a template string, else the model's or the one given
+        as the `chat_template` option) with the assistant's turn opened; one output per
+        conversation, in order."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if chat_template is not None:
+            try:
+                chat_template = load_chat_template(chat_template)
+            except ConfigError as exc:
+                raise exc.as_keyword() from None
+        prompts = [
+            self.engine.encode_chat(list(c), chat_template, add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def stats(self) -> dict:
         return self.engine.stats()

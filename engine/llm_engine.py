@@ -6,6 +6,7 @@ its stats, the admin operations (pin, unpin, flush) and its shutdown.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -25,7 +26,7 @@ from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocat
 from engine.models import ModelSpec, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,21 @@ class _Tracked:
     sent_tokens: int = 0
 
 
+@dataclass
+class _Group:
+    """A request with n > 1: its sequences run as requests `{id}/{index}` (seed + index
+    with a seed, as vLLM), reported together as one RequestOutput of n completions."""
+
+    request_id: str
+    sequence_ids: list[str]
+    completions: list[CompletionOutput | None]
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c is not None and c.finish_reason is not None for c in self.completions)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -62,6 +78,8 @@ class LLMEngine:
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.model_path = model_path
         self.config = config.model_copy(
             update={"model": model_path, "max_model_len": self._max_model_len(config.max_model_len)}
@@ -79,6 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}  # requests with n > 1, by id
+        self._sequences: dict[str, tuple[_Group, int]] = {}  # their sequences' ids -> (group, index)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -90,29 +110,49 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Tokenize and queue a request. Raises ValueError subclasses for bad input."""
-        if request_id in self._tracked:
+        """Tokenize and queue a request (n > 1: its n sequences, see _Group). Raises
+        ValueError subclasses for bad input."""
+        if request_id in self._tracked or request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise SamplingParamsError(
+                "logprobs", f"at most {self.config.max_logprobs} (--max-logprobs), got {params.logprobs}"
+            )
         token_ids = self.encode(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if any(t < 0 or t >= self.spec.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=frozenset(self.spec.eos_token_ids),
-            cache_salt=cache_salt,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        )
-        self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
-        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
-        return request
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        ids = [f"{request_id}/{index}" for index in range(params.n)] if params.n > 1 else [request_id]
+        requests = [
+            Request(
+                request_id=sequence_id,
+                prompt_token_ids=token_ids,
+                sampling_params=_sequence_params(params, index),
+                eos_token_ids=frozenset(self.spec.eos_token_ids),
+                cache_salt=cache_salt,
+                arrival_time=arrival_time,
+            )
+            for index, sequence_id in enumerate(ids)
+        ]
+        self.scheduler.add_request(requests[0], requests[1:])
+        text = prompt if isinstance(prompt, str) else None
+        for request in requests:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self._tracked[request.request_id] = _Tracked(request, text, detok)
+        if params.n > 1:
+            group = self._groups[request_id] = _Group(request_id, ids, [None] * params.n)
+            self._sequences.update((sequence_id, (group, i)) for i, sequence_id in enumerate(ids))
+        return requests[0]
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
-        ids = [rid for rid in request_ids if rid in self._tracked]
+        """Abort requests (every sequence of one with n > 1); unknown ids are ignored."""
+        ids = []
+        for rid in request_ids:
+            group = self._groups.get(rid)
+            ids += [rid] if group is None else self._forget_group(group)
+        ids = [rid for rid in ids if rid in self._tracked]
         self.scheduler.abort_requests(ids)
         for rid in ids:
             self._forget(rid)
@@ -125,9 +165,14 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """`messages` through the chat template (`chat_template`, else the model's or
+        --chat-template's), tokenized."""
         encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False,
         )
         return list(encoded)
 
@@ -150,7 +195,43 @@ class LLMEngine:
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
                 outputs.append(self._output_for(tracked))
-        return outputs
+        return self._grouped(outputs)
+
+    def _grouped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs of the sequences of a request with n > 1 merged into one output of
+        that request (each completion with its index), where the first of them was."""
+        merged: list[RequestOutput] = []
+        by_group: dict[str, RequestOutput] = {}
+        for output in outputs:
+            group, index = self._sequences.get(output.request_id, (None, 0))
+            if group is None:
+                merged.append(output)
+                continue
+            group.completions[index] = dataclasses.replace(output.outputs[0], index=index)
+            group.error = group.error or output.error
+            known = by_group.get(group.request_id)
+            if known is None:
+                known = by_group[group.request_id] = dataclasses.replace(
+                    output, request_id=group.request_id, new_token_ids=[]
+                )
+                merged.append(known)
+            known.new_token_ids += output.new_token_ids
+            if output.finished:  # the group finishes with its last sequence: its timings
+                known.metrics = output.metrics
+        for output in by_group.values():
+            group = self._groups[output.request_id]
+            output.outputs = [c for c in group.completions if c is not None]
+            output.finished, output.error = group.finished, group.error
+            if output.finished:
+                self._forget_group(group)
+        return merged
+
+    def _forget_group(self, group: _Group) -> list[str]:
+        """Drop a request with n > 1 from the books; its sequences' ids."""
+        del self._groups[group.request_id]
+        for sequence_id in group.sequence_ids:
+            del self._sequences[sequence_id]
+        return group.sequence_ids
 
     def _output_for(self, tracked: _Tracked) -> RequestOutput:
         """Detokenize the new tokens, apply stop strings, and build the request's output.
@@ -178,12 +259,14 @@ class LLMEngine:
         request = tracked.request
         if request.is_finished:
             self._forget(request.request_id)
+        with_logprobs = request.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None,
+            logprobs=list(request.output_logprobs) if with_logprobs else None,
+            top_logprobs=list(request.output_top_logprobs) if with_logprobs else None,
             stop_reason=request.stop_reason,
         )
         return RequestOutput(
@@ -308,6 +391,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Close the KV store: pending saves are written out (bounded wait)."""
         self.connector.close()
+
+
+def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sequence `index` of a request: n = 1, and seed + index when a
+    seed is given (each sequence reproducible, no two alike), as vLLM does."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _describe(exc: Exception) -> str:

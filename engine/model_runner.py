@@ -11,7 +11,8 @@ from engine.sampler import Sampler, make_generator
 from engine.scheduler import SchedulerOutput
 from kernels.metadata import AttentionMetadata
 
-SampledTokens = dict[str, tuple[int, float | None]]
+# request id -> (token id, its logprob, the top logprobs), logprobs None unless asked
+SampledTokens = dict[str, tuple[int, float | None, list[tuple[int, float]] | None]]
 
 
 class KVLoadError(RuntimeError):
@@ -139,11 +140,12 @@ class ModelRunner:
     def _sample(self, requests: list, logits: torch.Tensor) -> SampledTokens:
         params = [r.sampling_params for r in requests]
         generators = [self._generator_for(r) for r in requests]
-        tokens, logprobs = self.sampler.sample(logits, params, generators)
-        chosen_logprobs = logprobs if logprobs is not None else [None] * len(tokens)
+        tokens, logprobs, top = self.sampler.sample(logits, params, generators)
+        if logprobs is None:
+            return {r.request_id: (tok, None, None) for r, tok in zip(requests, tokens, strict=True)}
         return {
-            r.request_id: (tok, lp if r.sampling_params.logprobs else None)
-            for r, tok, lp in zip(requests, tokens, chosen_logprobs, strict=True)
+            r.request_id: (tok, lp, k) if r.sampling_params.logprobs is not None else (tok, None, None)
+            for r, tok, lp, k in zip(requests, tokens, logprobs, top, strict=True)
         }
 
     def _generator_for(self, request) -> torch.Generator | None:

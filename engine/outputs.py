@@ -11,7 +11,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each sampled token
+    # per token, the `SamplingParams.logprobs` most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: str | int | None = None
 
 

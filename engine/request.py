@@ -39,6 +39,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     peak_computed_tokens: int = 0  # most tokens ever computed: beyond a resume, work redone
@@ -84,9 +85,12 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output_token(
+        self, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+            self.output_top_logprobs.append(top or [])
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

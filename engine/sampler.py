@@ -20,6 +20,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -48,9 +49,11 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> tuple[list[int], list[float] | None]:
+    ) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
         """One token per row of `logits` [n, V]. The logprobs (of the chosen tokens under
-        the raw logits, as vLLM reports them) come for every row when any request asks."""
+        the raw logits, as vLLM reports them) come for every row when any request asks,
+        and with them each row's `params.logprobs` most likely tokens (id, logprob), most
+        likely first."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
             raise ValueError("logits must be [n, vocab] with one params and generator per row")
         logits = logits.float()
@@ -64,11 +67,17 @@ class Sampler:
                 logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
             )
         _raise_for(bad)  # the device sync here overlaps the sampling kernels queued above
-        logprobs = None
-        if any(p.logprobs for p in params):
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
-            logprobs = chosen.squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+        logprobs = top = None
+        wanted = [p.logprobs or 0 for p in params]
+        if any(p.logprobs is not None for p in params):
+            all_logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+            top = [[] for _ in params]
+            if max(wanted):
+                values, ids = all_logprobs.topk(min(max(wanted), logits.shape[1]), dim=-1)
+                values, ids = values.tolist(), ids.tolist()
+                top = [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, wanted, strict=True)]
+        return tokens.tolist(), logprobs, top
 
 
 def _raise_for(bad: torch.Tensor) -> None:

@@ -24,7 +24,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    # vLLM's meaning: None, no logprobs; k >= 0, the sampled token's logprob and the k
+    # most likely tokens' (True and False, an older spelling, mean 0 and None)
+    logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -32,11 +34,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logprobs, bool):
+            self.logprobs = 0 if self.logprobs else None
         self.validate()
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise SamplingParamsError("n", f"only n=1 is supported, got {self.n}")
+        if self.n < 1:
+            raise SamplingParamsError("n", f"must be >= 1, got {self.n}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise SamplingParamsError("logprobs", f"must be >= 0, got {self.logprobs}")
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

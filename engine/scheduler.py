@@ -17,6 +17,16 @@ those tokens computed; an asynchronous one gets blocks for them and waits in `lo
 requests and computes the rest. Requests still queued are handed to the connector's
 `prefetch`.
 
+Parallel sampling (n > 1): the n sequences of one prompt share its KV. The first one
+(the leader) is scheduled alone; its followers wait in `forks` and, once the leader's
+prefill is done (the step that samples its first token), each takes a reference on the
+leader's full prompt blocks (up to the block before the last prompt token) and joins the
+front of the waiting queue holding them: admitted, it computes only the prompt's last
+partial block itself (its own copy: what a copy-on-write of that block would copy, and
+the logits of its first token), then decodes on its own blocks. A leader that finishes
+before its prefill is done (abort, error) hands its followers to the waiting queue as
+ordinary requests.
+
 Block hashes: `add_request` hashes the prompt's full blocks and `update_from_output`
 hashes each output block as it fills, both with the `BlockHasher` given here.
 """
@@ -35,7 +45,7 @@ from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
-SampledTokens = dict[str, tuple[int, float | None]]
+SampledTokens = dict[str, tuple[int, float | None, list[tuple[int, float]] | None]]
 
 
 class RequestTooLongError(ValueError):
@@ -83,19 +93,29 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.saving: dict[str, Request] = {}
+        self.forks: dict[str, list[Request]] = {}  # leader id -> followers waiting for its prefill
         self.num_preemptions_total = 0
         self.num_recomputed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request, hashing its prompt blocks. Raises RequestTooLongError when it
+    def add_request(self, request: Request, followers: list[Request] | None = None) -> None:
+        """Queue a request, hashing its prompt blocks; `followers` (same prompt and salt)
+        are forked from it once its prefill is done. Raises RequestTooLongError when it
         could never run, ValueError for an empty prompt or a duplicate id."""
-        self._validate(request)
+        group = [request, *(followers or [])]
+        for member in group:
+            self._validate(member)
+        if len({m.request_id for m in group}) < len(group):
+            raise ValueError("the requests of one group need distinct ids")
         self.block_hasher.extend(request.block_hashes, request.prompt_token_ids, request.cache_salt)
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        for member in group:
+            member.block_hashes = list(request.block_hashes)
+            member.status = RequestStatus.WAITING
+            self.requests[member.request_id] = member
         self.waiting.append(request)
+        if followers:
+            self.forks[request.request_id] = list(followers)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish unfinished requests from outside a step (abort, stop string, error)."""
@@ -110,7 +130,7 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 del self.loading[request_id]
-            else:
+            elif not self._drop_follower(request):
                 self.waiting.remove(request)
             self._finish(request, status)
             finished.append(request)
@@ -125,6 +145,14 @@ class Scheduler:
             request = self.saving.pop(request_id, None)
             if request is not None:
                 self.kv.free(request)
+
+    def _drop_follower(self, request: Request) -> bool:
+        """Take a follower that was not forked yet out of its group; False if it is none."""
+        for followers in self.forks.values():
+            if request in followers:
+                followers.remove(request)
+                return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.loading)
@@ -177,10 +205,11 @@ class Scheduler:
             if request.is_finished:
                 continue
             if sample:
-                token_id, logprob = sampled[request.request_id]
-                request.append_output_token(token_id, logprob)
+                request.append_output_token(*sampled[request.request_id])
                 self._extend_hashes(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
+            if sample and request.request_id in self.forks:
+                self._fork(request)
             status = self._stop_status(request) if sample else None
             if status is not None:
                 self._finish(request, status)
@@ -253,13 +282,16 @@ class Scheduler:
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hits, num_local = self.kv.get_computed_blocks(request)
-            num_external, load_async = self._num_external_tokens(request, num_local)
-            if load_async:
-                if not self._start_remote_load(request, hits, num_local, num_external):
-                    break
-                continue
-            num_new = self._admit(request, hits, num_local, num_external, budget)
+            if self.kv.get_blocks(request.request_id):  # a follower holding its leader's blocks
+                num_new = self._admit_fork(request, budget)
+            else:
+                hits, num_local = self.kv.get_computed_blocks(request)
+                num_external, load_async = self._num_external_tokens(request, num_local)
+                if load_async:
+                    if not self._start_remote_load(request, hits, num_local, num_external):
+                        break
+                    continue
+                num_new = self._admit(request, hits, num_local, num_external, budget)
             if num_new is None:
                 break
             self.waiting.popleft()
@@ -282,6 +314,27 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         self._note_admitted(request, num_local, num_external)
+        return num_new
+
+    def _fork(self, leader: Request) -> None:
+        """The leader's prefill is done: its followers share its full prompt blocks and
+        wait first in line (see the module docstring)."""
+        followers = self.forks.pop(leader.request_id)
+        num_shared = (leader.num_prompt_tokens - 1) // self.kv.block_size
+        shared = self.kv.get_blocks(leader.request_id)[:num_shared]
+        for follower in reversed(followers):
+            self.kv.share_blocks(follower, shared)
+            follower.num_computed_tokens = num_shared * self.kv.block_size
+            self.waiting.appendleft(follower)
+
+    def _admit_fork(self, request: Request, budget: int) -> int | None:
+        """Allocation for a forked follower: its first chunk's size, or None when the
+        pool cannot hold it now."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.kv.allocate_slots(request, num_new) is None:
+            return None
+        request.status = RequestStatus.RUNNING
+        self._note_admitted(request, request.num_computed_tokens, 0)
         return num_new
 
     def _start_remote_load(
@@ -364,6 +417,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.waiting.extendleft(reversed(self.forks.pop(request.request_id, [])))
         request.status = status
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]

@@ -85,7 +85,8 @@ class StoreConfig:
 
 
 def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Tier]:
-    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError."""
+    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError
+    naming the tier's option."""
     builders = {
         "cpu": lambda: CpuTier(config.cpu_size, spec.shape, spec.dtype, pins, config.pin_memory),
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync),

@@ -40,6 +40,7 @@ from kvstore.stats import StoreCounters, StoreSnapshot
 from tiers.base import RecordTier, Tier
 from tiers.cpu import CpuTier
 from tiers.pins import PinTable
+from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,21 @@ class TieredStore:
 
     def health(self) -> dict[str, str]:
         return {t.name: t.health.state.value for t in self.tiers}
+
+    def probe_remote(self, timeout_s: float = 5.0) -> list[str]:
+        """Probe every remote tier now (its health follows the answer); the names of
+        those that did not answer. A dead tier keeps being probed in the background and
+        comes back by itself."""
+        down = []
+        for tier in self.lower:
+            if isinstance(tier, RedisTier):
+                try:
+                    answered = self._runtime.call(tier.probe(), timeout_s)
+                except TimeoutError:
+                    answered = False
+                if not answered:
+                    down.append(tier.name)
+        return down
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish pending writes (up to `timeout_s`), then cancel what is left: a

@@ -68,6 +68,8 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
     carries its tokenizer in its metadata)."""
     if tokenizer_path is None and is_gguf(model_path):
         return load_gguf_tokenizer(model_path)
+    if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
+        raise ModelLoadError(f"--tokenizer {tokenizer_path}: no such directory (this machine cannot download)")
     return AutoTokenizer.from_pretrained(tokenizer_path or model_path)
 
 
@@ -83,7 +85,7 @@ def read_config(path: str) -> Any:
     raw = read_json(os.path.join(path, "config.json"))
     if not raw:
         raise ModelLoadError(
-            f"{path}: no config.json; expected a Hugging Face checkpoint directory"
+            f"--model {path}: no config.json; expected a Hugging Face checkpoint directory"
         )
     architecture_of(SimpleNamespace(**raw))
     return AutoConfig.from_pretrained(path, local_files_only=True)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from connectors.base import KVStoreNotConfiguredError
 from engine.async_engine import EngineClosedError, EngineDeadError
+from engine.server.auth import CHALLENGE, bearer_token
 from engine.server.errors import APIError, engine_error, validation_error
 from engine.server.metrics import ENGINE_COUNTERS, ENGINE_GAUGES
 from engine.server.protocol import FlushRequest, PinRequest
@@ -29,14 +30,13 @@ T = TypeVar("T")
 def require_admin_token(request: Request) -> None:
     """Refuse any request without the exact bearer token (constant-time comparison)."""
     expected: str = request.app.state.kvtier.settings.admin_token
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    challenge = {"WWW-Authenticate": "Bearer"}
-    if scheme.lower() != "bearer" or not token.strip():
+    token = bearer_token(request.headers.get("authorization", ""))
+    if token is None:
         raise APIError(401, "The KV admin API needs an `Authorization: Bearer <token>` header.",
-                       type="authentication_error", code="missing_admin_token", headers=challenge)
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+                       type="authentication_error", code="missing_admin_token", headers=CHALLENGE)
+    if not hmac.compare_digest(token.encode(), expected.encode()):
         raise APIError(401, "The admin token is not valid.", type="authentication_error",
-                       code="invalid_admin_token", headers=challenge)
+                       code="invalid_admin_token", headers=CHALLENGE)
 
 
 router = APIRouter(prefix="/kv", dependencies=[Depends(require_admin_token)])

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -13,11 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import disable_created_metrics
 
-from engine.config import ConfigError, EngineConfig, ServerConfig
+from engine import __version__
+from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url
 from engine.server import admin
+from engine.server.auth import ApiKeyMiddleware
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -61,10 +62,36 @@ async def models(request: Request) -> ModelList:
 
 
 @router.get("/health")
-async def health(request: Request) -> Response:
-    if not _state(request).engine.is_healthy:
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the engine runs, with `status` "degraded" (and which tier)
+    while an offload tier does not answer; 503 once the engine is gone."""
+    state = _state(request)
+    if not state.engine.is_healthy:
         raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
-    return Response(status_code=200)
+    return JSONResponse(_health_body(state))
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness for a load balancer: 200 only when the engine runs and every offload
+    tier answers; 503 (same body as /health) while degraded, so traffic goes to
+    instances that share the cache, and back by itself when the tier recovers."""
+    state = _state(request)
+    if not state.engine.is_healthy:
+        raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+    body = _health_body(state)
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+def _health_body(state: ServerState) -> dict:
+    tiers = state.tier_health()
+    down = [name for name, health in tiers.items() if health != "healthy"]
+    return {"status": "degraded" if down else "ok", "kv_tiers": tiers, "unhealthy_tiers": down}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
 
 
 @router.get("/metrics")
@@ -93,6 +120,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_reads_per_client=settings.max_body_reads_per_client, retry_after_s=settings.retry_after,
         on_refusal=state.metrics.count_rejection,
     )
+    if settings.api_key:  # added last, so it runs first: an unauthenticated body is never read
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
 
 
@@ -147,6 +176,7 @@ def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str,
         f"  offload  {_offload_summary(config)}",
         f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests, "
         f"{settings.prompt_limit(config.max_num_seqs)} prompts per request at most",
+        f"  API key  {'required on /v1/' if settings.api_key else 'none (any client is served)'}",
         f"  admin    {'/kv/ (bearer token)' if settings.enable_kv_admin else 'off'}",
         f"  URL      {url}",
     ]
@@ -157,13 +187,9 @@ def _offload_summary(config: EngineConfig) -> str:
     tiers = {
         "cpu": f"cpu {format_bytes(config.kv_offload_cpu_size)}",
         "disk": f"disk {format_bytes(config.kv_offload_disk_size)} at {config.disk_path}",
-        "redis": f"redis {_redact_url(config.kv_redis_url or '')}",
+        "redis": f"redis {redact_url(config.kv_redis_url or '')}",
     }
     return "; ".join(tiers[t] for t in config.kv_offload) or "none"
-
-
-def _redact_url(url: str) -> str:
-    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def format_bytes(size: int) -> str:

@@ -31,7 +31,7 @@ from pydantic import (
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 1  # the engine reports the sampled token's logprob only
+MAX_N = 128  # OpenAI's bound on completions per prompt
 
 # A prompt after validation: one entry per prompt, each text or token ids.
 Prompts = list[str | list[int]]
@@ -140,7 +140,7 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Annotated[list[str], BeforeValidator(parse_stop)] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -170,7 +170,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[Prompts, BeforeValidator(parse_prompt)]
     max_tokens: int | None = Field(None, ge=1)  # unset: 16, as OpenAI (less if the context is shorter)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked in serving)
     echo: bool = False
     best_of: int | None = None
     suffix: Text | None = None
@@ -185,10 +185,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked in serving)
     tools: list[Any] | None = None
 
     _no_tools = field_validator("tools")(only_neutral(None, []))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("is only allowed when logprobs is true")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.protocol import (
     ChatChunkChoice,
@@ -51,8 +51,9 @@ def error_event(error: APIError) -> str:
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    """Each prompt counts once, however many completions (n) it has."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs)
     return UsageInfo(
         prompt_tokens=prompt,
@@ -62,8 +63,12 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     )
 
 
-def finish_reason(output: RequestOutput) -> str | None:
-    return output.outputs[0].finish_reason if output.finished else None
+def choices(outputs: list[RequestOutput], n: int) -> Iterator[tuple[int, CompletionOutput]]:
+    """(choice index, completion) of every completion: prompt i's completion j is choice
+    i * n + j, as OpenAI and vLLM number them."""
+    for i, output in enumerate(outputs):
+        for completion in output.outputs:
+            yield i * n + completion.index, completion
 
 
 def generation_error(output: RequestOutput) -> APIError | None:
@@ -81,29 +86,41 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
 
 
 class DeltaTracker:
-    """Remembers how much of one request's cumulative output was already sent."""
+    """Remembers how much of one completion's cumulative output was already sent, and
+    whether its finish was."""
 
     def __init__(self) -> None:
         self._chars = 0
         self._tokens = 0
+        self._finish_sent = False
 
-    def advance(self, output: RequestOutput) -> Delta:
-        completion = output.outputs[0]
+    def finish(self, completion: CompletionOutput) -> str | None:
+        """The completion's finish reason the first time it is asked once it has one."""
+        if completion.finish_reason is None or self._finish_sent:
+            return None
+        self._finish_sent = True
+        return completion.finish_reason
+
+    def advance(self, completion: CompletionOutput) -> Delta:
         text = completion.text[self._chars :]
         token_ids = completion.token_ids[self._tokens :]
         logprobs = completion.logprobs[self._tokens :] if completion.logprobs is not None else None
+        top = completion.top_logprobs[self._tokens :] if completion.top_logprobs is not None else None
         self._chars = max(self._chars, len(completion.text))
         self._tokens = len(completion.token_ids)
-        return Delta(text, token_ids, logprobs)
+        return Delta(text, token_ids, logprobs, top)
 
 
 def completion_logprobs(
     delta: Delta, token_text: TokenText, with_top: bool, text_offset: int = 0
 ) -> CompletionLogprobs | None:
-    """Legacy completions logprobs; `top_logprobs` can only hold the sampled token."""
+    """Legacy completions logprobs: per token its text, logprob and offset, and with
+    `logprobs` >= 1 a {text: logprob} map of the most likely tokens and the sampled one
+    (k + 1 entries when the sampled token is not among the k, as OpenAI and vLLM)."""
     if delta.logprobs is None:
         return None
     tokens = [token_text(t) for t in delta.token_ids]
@@ -111,23 +128,30 @@ def completion_logprobs(
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
+    top_logprobs = None
+    if with_top:
+        top_logprobs = [
+            {token_text(t): lp for t, lp in top} | {token: logprob}
+            for token, logprob, top in zip(tokens, delta.logprobs, delta.top_logprobs, strict=True)
+        ]
     return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=delta.logprobs,
-        top_logprobs=[{t: lp} for t, lp in zip(tokens, delta.logprobs, strict=True)] if with_top else None,
-        text_offset=offsets,
+        tokens=tokens, token_logprobs=delta.logprobs, top_logprobs=top_logprobs, text_offset=offsets
     )
 
 
-def chat_logprobs(delta: Delta, token_text: TokenText, with_top: bool) -> ChatLogprobs | None:
+def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict:
+    token = token_text(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(delta: Delta, token_text: TokenText) -> ChatLogprobs | None:
+    """Chat logprobs: per token its entry and `top_logprobs` most likely tokens' entries."""
     if delta.logprobs is None:
         return None
     content = []
-    for token_id, logprob in zip(delta.token_ids, delta.logprobs, strict=True):
-        token = token_text(token_id)
-        entry = {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-        top = [entry] if with_top else []
-        content.append(ChatTokenLogprob(**entry, top_logprobs=top))
+    for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=True):
+        alternatives = [_chat_token(t, lp, token_text) for t, lp in top]
+        content.append(ChatTokenLogprob(**_chat_token(token_id, logprob, token_text), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 
@@ -148,8 +172,11 @@ class OutputFormat(Protocol):
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, logprobs: int | None) -> None:
+    def __init__(
+        self, request_id: str, model: str, token_text: TokenText, logprobs: int | None, n: int = 1
+    ) -> None:
         self._id = request_id
+        self._n = n
         self._model = model
         self._created = int(time.time())
         self._token_text = token_text
@@ -169,15 +196,15 @@ class CompletionFormat:
         return CompletionChunk(id=self._id, created=self._created, model=self._model, choices=[], usage=usage)
 
     def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
-        choices = []
-        for index, output in enumerate(outputs):
-            delta = DeltaTracker().advance(output)
-            choices.append(CompletionChoice(
+        answers = []
+        for index, completion in sorted(choices(outputs, self._n), key=lambda c: c[0]):
+            delta = DeltaTracker().advance(completion)
+            answers.append(CompletionChoice(
                 index=index, text=delta.text, logprobs=self._logprobs_of(index, delta),
-                finish_reason=finish_reason(output),
+                finish_reason=completion.finish_reason,
             ))
         return CompletionResponse(
-            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage_of(outputs)
+            id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs)
         )
 
     def _logprobs_of(self, index: int, delta: Delta) -> CompletionLogprobs | None:
@@ -189,36 +216,39 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, top_logprobs: bool) -> None:
+    def __init__(self, request_id: str, model: str, token_text: TokenText, n: int = 1) -> None:
         self._id = request_id
+        self._n = n
         self._model = model
         self._created = int(time.time())
         self._token_text = token_text
-        self._top = top_logprobs
 
     def head_chunks(self) -> list[BaseModel]:
-        role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
-        return [self._chunk([role])]
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(self._n)
+        ]
 
     def chunk(self, index: int, delta: Delta, finish: str | None) -> ChatCompletionChunk:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-        logprobs = chat_logprobs(delta, self._token_text, self._top)
+        logprobs = chat_logprobs(delta, self._token_text)
         return self._chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs, finish_reason=finish)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
     def response(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
-        output = outputs[0]
-        delta = DeltaTracker().advance(output)
-        choice = ChatCompletionChoice(
-            index=0,
-            message=ChatResponseMessage(content=delta.text),
-            logprobs=chat_logprobs(delta, self._token_text, self._top),
-            finish_reason=finish_reason(output),
-        )
+        answers = []
+        for index, completion in sorted(choices(outputs, self._n), key=lambda c: c[0]):
+            delta = DeltaTracker().advance(completion)
+            answers.append(ChatCompletionChoice(
+                index=index,
+                message=ChatResponseMessage(content=delta.text),
+                logprobs=chat_logprobs(delta, self._token_text),
+                finish_reason=completion.finish_reason,
+            ))
         return ChatCompletionResponse(
-            id=self._id, created=self._created, model=self._model, choices=[choice], usage=usage_of(outputs)
+            id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs)
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:

@@ -25,8 +25,8 @@ from engine.server.responses import (
     CompletionFormat,
     DeltaTracker,
     OutputFormat,
+    choices,
     error_event,
-    finish_reason,
     generation_error,
     json_response,
     sse,
@@ -48,14 +48,15 @@ CLIENT_CLOSED_REQUEST = 499
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
+    _check_logprobs(state, body.logprobs, "logprobs")
     token_lists = await _tokenized(state, state.prompts.encode(body.prompt, "prompt"), "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
         max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs is not None)
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
-    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs)
+    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n)
     return await _run(state, raw, body, jobs, fmt, "prompt")
 
 
@@ -63,12 +64,13 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, raw: Request
 ) -> Response:
     model = state.check_model(body.model)
+    _check_logprobs(state, body.top_logprobs, "top_logprobs")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     token_ids = await _tokenized(state, state.prompts.encode_chat(messages, "messages"), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
-    params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
-    fmt = ChatFormat(request_id, model, state.token_text, body.logprobs and bool(body.top_logprobs))
+    params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    fmt = ChatFormat(request_id, model, state.token_text, body.n)
     return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
 
 
@@ -90,7 +92,7 @@ async def _run(
         if body.stream:
             await until_disconnected(raw, _translated(state, group.start(), prompt_param))
             return StreamingResponse(
-                _events(state, group, fmt, body.include_usage_in_stream),
+                _events(state, group, fmt, body.include_usage_in_stream, body.n),
                 media_type="text/event-stream", headers=SSE_HEADERS,
             )
         outputs = await until_disconnected(raw, _translated(state, _complete(group), prompt_param))
@@ -133,21 +135,28 @@ async def _tokenized(state: ServerState, work: Awaitable[T], prompt_param: str) 
 
 
 async def _events(
-    state: ServerState, group: RequestGroup, fmt: OutputFormat, include_usage: bool
+    state: ServerState, group: RequestGroup, fmt: OutputFormat, include_usage: bool, n: int
 ) -> AsyncIterator[str]:
     trackers: dict[int, DeltaTracker] = defaultdict(DeltaTracker)
     last: dict[int, RequestOutput] = {}
     try:
         for chunk in fmt.head_chunks():
             yield sse(chunk)
+        failed: set[int] = set()  # a prompt whose sequences failed: its error is sent once
         async for index, output in group.outputs():
             last[index] = output
+            if index in failed:
+                continue
             if (error := generation_error(output)) is not None:
+                failed.add(index)
                 yield error_event(error)
                 continue
-            delta = trackers[index].advance(output)
-            if delta.text or delta.token_ids or output.finished:
-                yield sse(fmt.chunk(index, delta, finish_reason(output)))
+            for choice, completion in choices([output], n):
+                choice += index * n
+                delta = trackers[choice].advance(completion)
+                finish = trackers[choice].finish(completion)
+                if delta.text or delta.token_ids or finish:
+                    yield sse(fmt.chunk(choice, delta, finish))
         if include_usage:
             yield sse(fmt.usage_chunk(usage_of(list(last.values()))))
     except (EngineClosedError, EngineDeadError) as exc:  # shutdown or crash mid-stream
@@ -155,6 +164,14 @@ async def _events(
     finally:
         await group.aclose()
     yield DONE_EVENT
+
+
+def _check_logprobs(state: ServerState, requested: int | None, param: str) -> None:
+    if requested is not None and requested > state.max_logprobs:
+        raise APIError(
+            400, f"{param}: at most {state.max_logprobs} (the server's --max-logprobs), got {requested}",
+            param=param, code="invalid_value",
+        )
 
 
 def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max_model_len: int) -> int:
@@ -166,7 +183,7 @@ def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max
 
 
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: bool
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     try:
         return SamplingParams(

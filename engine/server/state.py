@@ -35,6 +35,8 @@ class ServerState:
     kv_offload: tuple[str, ...]
     prompts: PromptTokenizer
     token_text: Callable[[int], str]
+    tier_health: Callable[[], dict[str, str]]  # offload tier -> "healthy"/"unhealthy", read now
+    max_logprobs: int
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -84,6 +86,8 @@ def create_state(
         kv_offload=engine.config.kv_offload,
         prompts=PromptTokenizer(tokenizer, engine.config.max_model_len),
         token_text=_token_text_function(tokenizer),
+        tier_health=engine.connector.tier_health,
+        max_logprobs=engine.config.max_logprobs,
     )
 
 

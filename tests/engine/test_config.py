@@ -131,6 +131,39 @@ def test_precedence_flag_over_file_over_env_over_default(tmp_path, monkeypatch):
     assert server.admin_token == "g" * 16  # flag over file
 
 
+def test_vllm_api_options_are_tree_fields_in_every_spelling(tmp_path, monkeypatch):
+    for name in ("KVTIER_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    path = write_yaml(tmp_path, f"model: builtin:tiny\nchat-template: {template}\nmax-logprobs: 7\napi-key: sk-file\n")
+    config, server = serve_options("--config", path)
+    assert config.model == "builtin:tiny" and config.chat_template == template.read_text()  # read once
+    assert config.max_logprobs == 7 and server.api_key == "sk-file"
+    assert "sk-file" not in repr(server)
+    config, _ = serve_options("builtin:random", "--config", path, "--max-logprobs", "2")
+    assert config.model == "builtin:random" and config.max_logprobs == 2  # MODEL is a flag: over the file
+    with pytest.raises(ConfigError, match=r"^--model: the model is given twice, as MODEL 'builtin:random'"):
+        serve_options("builtin:random", "--model", "builtin:tiny")
+    assert EngineConfig().max_logprobs == 20 and serve_options()[1].api_key is None
+
+
+def test_a_chat_template_too_long_for_a_file_name_is_the_template():
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}" * 8
+    config = EngineConfig(chat_template=template)
+    assert config.chat_template == template
+    assert EngineConfig(**config.model_dump()).chat_template == template  # a dump rebuilds the same
+
+
+def test_the_api_key_comes_from_kvtier_api_key_else_vllm_api_key(monkeypatch):
+    monkeypatch.delenv("KVTIER_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")
+    assert serve_options()[1].api_key == "sk-vllm"
+    monkeypatch.setenv("KVTIER_API_KEY", "sk-kvtier")
+    assert serve_options()[1].api_key == "sk-kvtier"
+    assert serve_options("--api-key", "sk-flag")[1].api_key == "sk-flag"
+
+
 def test_config_file_errors_name_the_key_and_the_file(tmp_path):
     path = write_yaml(tmp_path, "kv-offload-cpu-size: lots\n")
     with pytest.raises(ConfigError, match=r"^--kv-offload-cpu-size: cannot parse size 'lots'.*\(set in .*kvtier.yaml\)"):
@@ -158,6 +191,8 @@ def test_llm_keyword_errors_name_the_keyword():
         LLM(max_num_sequences=3)
     with pytest.raises(ConfigError, match=r"^kv_redis_url: the redis tier needs a URL"):
         LLM(kv_offload="redis")
+    with pytest.raises(ConfigError, match=r"^max_logprobs: "):
+        LLM(max_logprobs=-1)
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -166,6 +201,8 @@ def test_llm_keyword_errors_name_the_keyword():
     (["--kv-offload", "redis"], "kvtier serve: error: --kv-redis-url: the redis tier needs a URL"),
     (["--block-size", "24"], "kvtier serve: error: --block-size: must be a positive power of two, got 24"),
     (["--kv-offload-disk-fsync", "always"], "kvtier serve: error: --kv-offload-disk-fsync: must be one of"),
+    (["--max-logprobs", "-1"], "kvtier serve: error: --max-logprobs: Input should be greater than or equal to 0"),
+    (["--chat-template", "no/such.jinja"], "kvtier serve: error: --chat-template: 'no/such.jinja' is neither"),
 ])
 def test_the_cli_process_names_the_flag_in_one_line(argv, line):
     done = subprocess.run([sys.executable, "-m", "engine.cli", "serve", *argv], cwd=REPO_ROOT,

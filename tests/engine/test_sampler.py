@@ -25,7 +25,7 @@ DRAWS = 20_000
 def draw(params: SamplingParams, n: int = DRAWS) -> torch.Tensor:
     """Empirical distribution of `n` draws (one batch of n identical rows)."""
     torch.manual_seed(0)
-    tokens, _ = Sampler().sample(LOGITS.expand(n, -1).clone(), [params] * n, [None] * n)
+    tokens, _, _ = Sampler().sample(LOGITS.expand(n, -1).clone(), [params] * n, [None] * n)
     return torch.bincount(torch.tensor(tokens), minlength=len(PROBS)).float() / n
 
 
@@ -39,7 +39,7 @@ def assert_distribution(observed: torch.Tensor, expected: list[float]) -> None:
 def test_greedy_is_argmax():
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.0)] * 8
-    tokens, logprobs = Sampler().sample(logits, params, [None] * 8)
+    tokens, logprobs, _ = Sampler().sample(logits, params, [None] * 8)
     assert tokens == logits.argmax(dim=-1).tolist()
     assert logprobs is None
 
@@ -99,7 +99,7 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch():
             all_params[row] = params
             gens: list[torch.Generator | None] = [None] * batch_size
             gens[row] = generator
-            tokens, _ = Sampler().sample(logits, all_params, gens)
+            tokens, _, _ = Sampler().sample(logits, all_params, gens)
             out.append(tokens[row])
         return out
 
@@ -126,7 +126,7 @@ def test_logprobs_of_chosen_tokens_use_the_raw_logits():
         SamplingParams(temperature=2.0, logprobs=True),
         SamplingParams(temperature=0.0),
     ]
-    tokens, logprobs = Sampler().sample(logits, params, [None] * 4)
+    tokens, logprobs, _ = Sampler().sample(logits, params, [None] * 4)
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(4), torch.tensor(tokens)]
     assert logprobs == pytest.approx(expected.tolist())
     assert math.isclose(logprobs[0], torch.log_softmax(logits[0], dim=-1).max().item(), rel_tol=1e-6)
@@ -155,5 +155,18 @@ def test_a_row_without_a_distribution_raises_naming_its_row(bad):
     assert failure.value.rows == [2]
     # Nothing was drawn: a rerun without the bad row samples as if it had never failed.
     assert all(torch.equal(g.get_state(), s) for g, s in zip(generators[2:], states, strict=True))
-    tokens, _ = Sampler().sample(logits[[0, 1, 3]], [params[i] for i in (0, 1, 3)], [None, None, generators[3]])
+    tokens, _, _ = Sampler().sample(logits[[0, 1, 3]], [params[i] for i in (0, 1, 3)], [None, None, generators[3]])
     assert 5 not in tokens and tokens[0] == logits[0].argmax().item()
+
+
+def test_top_logprobs_are_each_rows_k_most_likely_tokens():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(7))
+    params = [SamplingParams(temperature=0.0, logprobs=4), SamplingParams(temperature=1.0, logprobs=0),
+              SamplingParams(temperature=0.0)]
+    tokens, logprobs, top = Sampler().sample(logits, params, [None] * 3)
+    reference = torch.log_softmax(logits, dim=-1)
+    values, ids = reference[0].topk(4)
+    assert [t for t, _ in top[0]] == ids.tolist()
+    assert [lp for _, lp in top[0]] == pytest.approx(values.tolist())
+    assert top[0][0] == (tokens[0], pytest.approx(logprobs[0]))  # greedy: the top token
+    assert top[1] == [] and top[2] == []

@@ -268,7 +268,7 @@ def run_constant(request: Request, token: int) -> Request:
     scheduler.add_request(request)
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        sampled = {r.request_id: (token, -0.5) for r, s in zip(out.requests, out.sample, strict=True) if s}
+        sampled = {r.request_id: (token, -0.5, []) for r, s in zip(out.requests, out.sample, strict=True) if s}
         scheduler.update_from_output(out, sampled)
     assert_all_blocks_released(scheduler)
     return request

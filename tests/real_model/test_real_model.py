@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.text_corpus import documents
 from engine import LLM, SamplingParams
@@ -49,13 +49,23 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_chat_answers_the_capital_of_france():
-    """The default model, default options (bf16): real chat."""
+def test_chat_answers_the_capital_of_france(smollm2_dir):
+    """The default model, default options (bf16): real chat through LLM.chat, its prompt
+    exactly transformers' rendering of SmolLM2's own chat template."""
+    france = [{"role": "user", "content": "What is the capital of France?"}]
+    italy = [{"role": "system", "content": "Answer in one word."},
+             {"role": "user", "content": "What is the capital of Italy?"}]
     with LLM() as llm:
-        prompt = llm.engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
-    assert "Paris" in out[0].outputs[0].text
-    assert out[0].outputs[0].finish_reason == "stop", "the chat turn ends with <|im_end|>"
+        [alone] = llm.chat(france, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+        both = llm.chat([france, italy], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    expected = tokenizer.apply_chat_template(france, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert alone.prompt_token_ids == list(expected)
+    assert tokenizer.decode(expected).endswith("<|im_start|>assistant\n")
+    assert "Paris" in alone.outputs[0].text
+    assert alone.outputs[0].finish_reason == "stop", "the chat turn ends with <|im_end|>"
+    assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert "Rome" in both[1].outputs[0].text
 
 
 def test_gguf_file_decodes_like_transformers_loading_it(smollm2_gguf, long_prompts):

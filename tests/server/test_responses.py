@@ -14,7 +14,7 @@ LOGPROBS = [float("nan"), float("-inf"), -0.25, float("inf")]
 
 def output() -> RequestOutput:
     completion = CompletionOutput(index=0, text="abcd", token_ids=[10, 11, 12, 13], finish_reason="length",
-                                  logprobs=list(LOGPROBS))
+                                  logprobs=list(LOGPROBS), top_logprobs=[[] for _ in LOGPROBS])
     return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2], outputs=[completion],
                          finished=True, metrics=RequestMetrics(arrival_time=0.0))
 
@@ -35,12 +35,12 @@ def test_completion_response_writes_non_finite_logprobs_as_null():
 
 
 def test_chat_response_writes_non_finite_logprobs_as_null():
-    body = json.loads(json_response(ChatFormat("id", "m", token_text, True).response([output()])).body)
+    body = json.loads(json_response(ChatFormat("id", "m", token_text).response([output()])).body)
     assert [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]] == expected()
 
 
 def test_stream_events_write_non_finite_logprobs_as_null():
     fmt = CompletionFormat("id", "m", token_text, 1)
-    event = sse(fmt.chunk(0, DeltaTracker().advance(output()), "length"))
+    event = sse(fmt.chunk(0, DeltaTracker().advance(output().outputs[0]), "length"))
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert json.loads(event.removeprefix("data: "))["choices"][0]["logprobs"]["token_logprobs"] == expected()
