@@ -11,10 +11,10 @@ import random
 
 from bench import plots
 from bench.common import markdown_table, parse_with_smoke, percentile
-from bench.driver import random_tokens
 from bench.kv_common import delta, flush_redis, hit_tokens, local_redis, numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
+from bench.text_corpus import CorpusTokens, token_documents
 from engine import LLM, SamplingParams
 
 NAME = "cross-instance"
@@ -54,27 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    model, vocab = checkpoint(args)
+    model, _ = checkpoint(args)
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": model}
     with local_redis(args.redis_url) as redis_url:
         flush_redis(redis_url)
         writer = instance(args, model, redis_url)
         result["kv_bytes_per_token"] = writer.engine.block_bytes // writer.engine.config.block_size
-        rng = random.Random(args.seed)
+        tokenizer = writer.engine.tokenizer
+        corpus, rng = CorpusTokens(tokenizer), random.Random(args.seed)
+        lengths = [args.doc_tokens] * (2 * args.num_docs) + [args.doc_tokens + args.question_tokens]
+        docs = token_documents(tokenizer, lengths, seed=args.seed)  # disjoint runs of real text
+        shared, cold, unseen = docs[: args.num_docs], docs[args.num_docs : -1], docs[-1]
 
-        def tokens(n: int) -> list[int]:
-            return random_tokens(rng, n, vocab)
+        def asked(doc_list: list[list[int]]) -> list[list[int]]:
+            return [doc + corpus.take(rng, args.question_tokens) for doc in doc_list]
 
-        shared = [tokens(args.doc_tokens) for _ in range(args.num_docs)]
-        cold = [tokens(args.doc_tokens) for _ in range(args.num_docs)]
-        result["instance_a"] = timed_round(writer, [d + tokens(args.question_tokens) for d in shared], params, "a")
+        result["instance_a"] = timed_round(writer, asked(shared), params, "a")
         writer.close()  # writes out every pending save
         with instance(args, model, redis_url) as reader:
-            result["b_shared"] = timed_round(reader, [d + tokens(args.question_tokens) for d in shared], params, "b")
-            result["b_cold"] = timed_round(reader, [d + tokens(args.question_tokens) for d in cold], params, "c")
+            result["b_shared"] = timed_round(reader, asked(shared), params, "b")
+            result["b_cold"] = timed_round(reader, asked(cold), params, "c")
             if args.profile:  # the slowest path: a document nobody saw, computed and saved
-                result["profile"] = profile_requests(reader, [tokens(args.doc_tokens + args.question_tokens)],
-                                                     args.max_tokens, "a new document on instance B")
+                result["profile"] = profile_requests(reader, [unseen], args.max_tokens,
+                                                     "a new document on instance B")
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,10 +25,10 @@ import torch
 
 from bench.common import parse_with_smoke
 from bench.console import progress
+from bench.text_corpus import passage_tokens
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 
-FIRST_TOKEN_ID = 3  # ids 0-2 are <pad>, <s>, </s> in the built-in tokenizer
 WARMUP_SALT = "bench-warmup"
 
 # Named engine variants (options on top of the workload's own); a Variant is a label and
@@ -152,7 +151,7 @@ def variant_llm(args: argparse.Namespace, variant: dict[str, object], **override
 
 def warm_up(llm: LLM) -> None:
     """One short prefill and a few decode steps, salted so that nothing is shared with the workload."""
-    prompt = random_tokens(random.Random(-1), 128, vocab_size(llm))
+    prompt = passage_tokens(llm.engine.tokenizer, 128, seed=-1)
     llm.generate([prompt], greedy(4), use_tqdm=False, cache_salt=WARMUP_SALT)
 
 
@@ -161,15 +160,7 @@ def engine_config(llm: LLM) -> dict[str, object]:
     return llm.engine.config.model_dump(mode="json", exclude={"kv_secret"})
 
 
-# ---- tokens -------------------------------------------------------------------------------
-
-
-def vocab_size(llm: LLM) -> int:
-    return llm.engine.spec.vocab_size
-
-
-def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
+# ---- sampling -----------------------------------------------------------------------------
 
 
 def greedy(max_tokens: int) -> SamplingParams:

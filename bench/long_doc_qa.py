@@ -33,6 +33,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ from bench.kv_common import (
     store_options,
 )
 from bench.summary import publish, run_stamp
+from bench.text_corpus import CorpusTokens, passage_tokens, token_documents
 from engine import LLM, SamplingParams
 from engine.builtin_models import resolve_model
 
@@ -92,12 +94,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ---- workload ------------------------------------------------------------------------------
 
 
-def make_docs(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Documents, and per round one question per document."""
-    rng = random.Random(args.seed)
-    docs = [[rng.randrange(3, vocab) for _ in range(args.doc_tokens)] for _ in range(args.num_docs)]
-    questions = [[[rng.randrange(3, vocab) for _ in range(args.question_tokens)] for _ in docs]
-                 for _ in ROUND_ORDERS]
+def make_docs(args: argparse.Namespace, tokenizer: Any) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Documents of real text (disjoint runs of the corpus), and per round one question
+    per document (another run of it)."""
+    rng, corpus = random.Random(args.seed), CorpusTokens(tokenizer)
+    docs = token_documents(tokenizer, [args.doc_tokens] * args.num_docs, seed=args.seed)
+    questions = [[corpus.take(rng, args.question_tokens) for _ in docs] for _ in ROUND_ORDERS]
     if args.questions == "same":
         questions = [questions[0]] * len(ROUND_ORDERS)
     return docs, questions
@@ -133,8 +135,7 @@ def redis_urls(configs, redis_url: str | None) -> dict[str, str | None]:
 
 def warm_up(llm: LLM, seed: int) -> None:
     """One untimed request first: the first forward of an engine pays one-off costs."""
-    rng = random.Random(-seed - 1)
-    prompt = [rng.randrange(3, llm.engine.spec.vocab_size) for _ in range(WARM_UP_TOKENS)]
+    prompt = passage_tokens(llm.engine.tokenizer, WARM_UP_TOKENS, seed=-seed - 1)
     serve(llm.engine, [prompt], SamplingParams(max_tokens=2, temperature=0.0), 1, tag="warm-up")
 
 
@@ -274,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv or [])
     model = resolve_model(args.model)
     probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16)
-    vocab, block_bytes = probe.engine.spec.vocab_size, probe.engine.block_bytes
+    block_bytes = probe.engine.block_bytes
+    docs, questions = make_docs(args, probe.engine.tokenizer)
     probe.close()
-    docs, questions = make_docs(args, vocab)
     result = {**run_stamp(NAME, argv or []), "args": vars(args), "model": model,
               "kv_bytes_per_token": block_bytes // 16, "concurrent": {}}
     needs_redis = any("redis" in STORE_CONFIGS[c] for c in args.configs)

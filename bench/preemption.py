@@ -13,10 +13,10 @@ import time
 
 from bench import plots
 from bench.common import markdown_table, parse_with_smoke, percentile
-from bench.driver import random_tokens
 from bench.kv_common import numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
+from bench.text_corpus import CorpusTokens
 from engine import LLM, SamplingParams
 
 NAME = "preemption"
@@ -44,9 +44,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parse_with_smoke(p, argv, SMOKE)
 
 
-def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+def make_prompts(args: argparse.Namespace, corpus: CorpusTokens) -> list[list[int]]:
+    """Prompts of real text, each from its own point of the corpus."""
     rng = random.Random(args.seed)
-    return [random_tokens(rng, args.prompt_len, vocab) for _ in range(args.num_prompts)]
+    return [corpus.take(rng, args.prompt_len) for _ in range(args.num_prompts)]
 
 
 def mode_llm(args: argparse.Namespace, model: str, options: dict) -> LLM:
@@ -84,8 +85,8 @@ def profile(args: argparse.Namespace, model: str, prompts: list[list[int]]) -> d
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    model, vocab = checkpoint(args)
-    prompts = make_prompts(args, vocab)
+    model, _ = checkpoint(args)
+    prompts = make_prompts(args, CorpusTokens.for_model(model))
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": model, "runs": {}}
     for name, options in MODES.items():
         result["runs"][name] = run(args, model, options, prompts)

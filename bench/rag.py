@@ -1,6 +1,6 @@
 """RAG: queries that concatenate k retrieved documents after a system prompt.
 
-A corpus of --documents random documents. Each query is the system prompt, k documents
+A corpus of --documents documents of real text. Each query is the system prompt, k documents
 and a new question; queries go one at a time, in three phases:
 
 - first:        --queries queries, each a random k-subset in random order;

@@ -10,8 +10,11 @@ Each tier's put and get throughput is measured for chunks of the default model (
 - redis: raw-socket RESP SET/GET of the same bytes to the same redis-server, pipelined in
          the same batches, read with recv_into into preallocated buffers.
 
-The best of --repeats runs is kept for every figure, and the median of the per-run
-store / reference ratios (target: at least 50%). Compression: lz4 on the whole payload
+The store's get is the engine's load path: the records of a batch are located in the
+index and read into host slots, verified in place (for cpu, also copied out of the slots,
+as the engine copies them to the device). The best of --repeats runs is kept for every
+figure, and the median of the per-run store / reference ratios (targets: get at least
+80%, put at least 50%). Compression: lz4 on the whole payload
 vs lz4 on the sign/exponent byte plane only, on (1) real KV of the built-in
 random-weight default model, (2) Gaussian values, (3) a smooth synthetic payload.
 """
@@ -36,13 +39,14 @@ from bench import plots
 from bench.common import markdown_table, parse_with_smoke
 from bench.kv_common import local_redis
 from bench.summary import publish, run_stamp
-from kvstore import ChunkSpec, TieredStore
+from kvstore import ChunkSpec, TieredStore, host_copy
 from kvstore.compression import Codec, decompress_into, encode_segments
 from kvstore.spec import tensor_bytes
 
 NAME = "store"
 TIERS = ("cpu", "disk", "redis")
-TARGET = 0.5  # store GB/s / reference GB/s, median of paired runs
+TARGET = 0.8  # store get GB/s / reference GB/s, median of paired runs
+PUT_TARGET = 0.5
 MiB = 1024**2
 Measure = tuple[Callable[[], None], Callable[[], None]]  # (timed run, untimed setup)
 Figures = tuple[float, float, float]  # best reference GB/s, best store GB/s, median ratio
@@ -123,7 +127,9 @@ def batches(items: list, size: int) -> Iterator[list]:
 
 
 class Workload:
-    """The chunks, their keys and output buffers shared by every tier's measurement."""
+    """The chunks, their keys and output buffers shared by every tier's measurement. The
+    chunks are the consecutive records of one long sequence, so that a batch of them is
+    one `locate` + `open_load`, as the engine loads a request."""
 
     def __init__(self, spec: ChunkSpec, chunks: int, batch: int, repeats: int) -> None:
         self.spec, self.batch, self.repeats = spec, batch, repeats
@@ -132,30 +138,42 @@ class Workload:
             torch.randn(spec.shape, generator=gen).to(spec.dtype) for _ in range(chunks)
         ]
         self.outs = [torch.empty(spec.shape, dtype=spec.dtype) for _ in range(chunks)]
-        self.hashes = [hashlib.sha256(f"bench-{i}".encode()).digest() for i in range(chunks)]
+        per = spec.blocks_per_chunk
+        self.hashes = [hashlib.sha256(f"bench-{i}".encode()).digest() for i in range(chunks * per)]
         self.nbytes = chunks * spec.nbytes
 
+    def keys(self, store: TieredStore) -> list:
+        per = self.spec.blocks_per_chunk
+        return [store.key(self.hashes[s : s + per], s) for s in range(0, len(self.hashes), per)]
+
     def save_all(self, store: TieredStore) -> None:
-        keys = [store.key(h) for h in self.hashes]
         futures = [
             store.save(k, t)
             for k, t in zip(
-                batches(keys, self.batch), batches(self.payloads, self.batch), strict=True
+                batches(self.keys(store), self.batch), batches(self.payloads, self.batch), strict=True
             )
         ]
         if not all(f.result(600).complete for f in futures):
             raise RuntimeError("the store did not keep every chunk; raise its capacity")
 
-    def load_all(self, store: TieredStore) -> None:
-        keys = [store.key(h) for h in self.hashes]
-        futures = [
-            store.load(k, o)
-            for k, o in zip(batches(keys, self.batch), batches(self.outs, self.batch), strict=True)
-        ]
-        if not all(all(f.result(600).ok) for f in futures):
-            raise RuntimeError("a chunk failed to load")
+    def load_all(self, store: TieredStore, copy_out: bool) -> None:
+        """Open a load per batch of records, as the engine does for a request: the
+        records are in host slots, verified, when it is done. `copy_out`: copy them into
+        the output tensors too (what the engine's device copy does from the cpu tier)."""
+        span = self.batch * self.spec.blocks_per_chunk
+        for start in range(0, len(self.hashes), span):
+            load = store.open_load(store.locate(self.hashes, start, start + span))
+            load.future.result(600)
+            if load.arrived_blocks() != min(span, len(self.hashes) - start):
+                raise RuntimeError("a chunk failed to load")
+            if copy_out:
+                first = start // self.spec.blocks_per_chunk
+                for index, part in enumerate(load.parts):
+                    host_copy(self.outs[first + index], store.view(part))
+            store.close_load(load)
 
-    def check_outputs(self) -> None:
+    def check_outputs(self, store: TieredStore) -> None:
+        self.load_all(store, copy_out=True)
         for out, payload in zip(self.outs, self.payloads, strict=True):
             if not torch.equal(out.view(torch.uint8), payload.view(torch.uint8)):
                 raise RuntimeError("loaded bytes differ from saved bytes")
@@ -179,11 +197,11 @@ class Workload:
             )
             gets = paired_gbps(
                 (get_reference, NOTHING),
-                (lambda: self.load_all(store), NOTHING),
+                (lambda: self.load_all(store, copy_out=tier == "cpu"), NOTHING),
                 self.nbytes,
                 self.repeats,
             )
-            self.check_outputs()
+            self.check_outputs(store)
         finally:
             store.close()
         return puts, gets
@@ -205,11 +223,11 @@ def row(tier: str, reference: str, puts: Figures, gets: Figures) -> dict:
 def bench_cpu(w: Workload) -> dict:
     def memcpy() -> None:
         for src, dst in zip(w.payloads, w.outs, strict=True):
-            dst.copy_(src)
+            host_copy(dst, src)
 
-    store = TieredStore.from_options(w.spec, tiers="cpu", cpu_size=w.nbytes)
+    store = TieredStore.from_options(w.spec, tiers="cpu", cpu_size=w.nbytes + len(w.payloads) * 8192)
     puts, gets = w.put_get(store, "cpu", memcpy, memcpy)
-    return row("cpu", "torch memcpy", puts, gets)
+    return row("cpu", "memcpy", puts, gets)
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -243,6 +261,7 @@ def bench_disk(w: Workload, root: Path) -> dict:
         disk_path=str(root / "store"),
         disk_size=4 * w.nbytes,
         max_pending_write_bytes=2 * w.nbytes,
+        staging_size=len(w.payloads) * (w.spec.nbytes + 8192),
     )
 
     def save_synced() -> None:
@@ -261,14 +280,14 @@ def bench_disk(w: Workload, root: Path) -> dict:
         )
         gets = paired_gbps(
             (raw_read, lambda: drop_page_cache([raw])),
-            (lambda: w.load_all(store), drop_store_cache),
+            (lambda: w.load_all(store, copy_out=False), drop_store_cache),
             w.nbytes,
             w.repeats,
         )
         warm = paired_gbps(
-            (raw_read, NOTHING), (lambda: w.load_all(store), NOTHING), w.nbytes, w.repeats
+            (raw_read, NOTHING), (lambda: w.load_all(store, copy_out=False), NOTHING), w.nbytes, w.repeats
         )
-        w.check_outputs()
+        w.check_outputs(store)
     finally:
         store.close()
         raw.unlink(missing_ok=True)
@@ -325,7 +344,7 @@ class RawRedis:
 def bench_redis(w: Workload, url: str) -> dict:
     host, port = url.split("://")[1].split("/")[0].rsplit(":", 1)
     raw = RawRedis(host, int(port))
-    keys = [b"rawbench:" + h.hex().encode() for h in w.hashes]
+    keys = [b"rawbench:" + h.hex().encode() for h in w.hashes[:: w.spec.blocks_per_chunk]]
     views = [tensor_bytes(p) for p in w.payloads]
     outs = [tensor_bytes(o) for o in w.outs]
 
@@ -338,7 +357,8 @@ def bench_redis(w: Workload, url: str) -> dict:
             raw.get_many(kb, ob)
 
     store = TieredStore.from_options(
-        w.spec, tiers="redis", redis_url=url, max_pending_write_bytes=2 * w.nbytes
+        w.spec, tiers="redis", redis_url=url, max_pending_write_bytes=2 * w.nbytes,
+        staging_size=len(w.payloads) * (w.spec.nbytes + 8192),
     )
     try:
         puts, gets = w.put_get(store, "redis", raw_put, raw_get)
@@ -348,16 +368,17 @@ def bench_redis(w: Workload, url: str) -> dict:
 
 
 def model_kv_chunks(spec: ChunkSpec, tokens: int) -> torch.Tensor:
-    """KV of the built-in default model (random weights) for random tokens, fp32,
-    in chunk layout [chunks, blocks, layers, 2, block, heads, head_dim]."""
+    """KV of the built-in default model for `tokens` tokens of real text, fp32, in chunk
+    layout [chunks, blocks, layers, 2, block, heads, head_dim]."""
     from transformers import AutoModelForCausalLM
 
+    from bench.text_corpus import token_documents
     from engine.builtin_models import resolve_model
+    from engine.models import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
-    ids = torch.randint(
-        3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)
-    )
+    path = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([token_documents(load_tokenizer(path), [tokens], seed=1)[0]])
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
     layers = [
@@ -460,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_model_kv:
         sources = {
-            "built-in model KV (random weights)": model_kv_chunks(spec, 8 * spec.chunk_tokens),
+            "built-in model KV (SmolLM2, real text)": model_kv_chunks(spec, 8 * spec.chunk_tokens),
             **sources,
         }
     result["compression"] = bench_codecs(sources, args.repeats)
@@ -595,8 +616,8 @@ def describe(result: dict) -> str:
         f"({result['spec']['chunk_mib']:.3g} MiB each, {args['batch']} per call) in the same run, "
         f"the two alternating run by run; GB/s are the best of {args['repeats']} runs and the "
         "ratio is the median of the per-run ratios, steadier than either figure when the shared "
-        "machine's bandwidth swings. Against the target (store at least "
-        f"{TARGET:.0%} of its reference): " + "; ".join(map(_verdict, result["tiers"])) + ". "
+        "machine's bandwidth swings. Against the targets (store get at least "
+        f"{TARGET:.0%} of its reference, put at least {PUT_TARGET:.0%}): " + "; ".join(map(_verdict, result["tiers"])) + ". "
     )
     return (text + _where_time_goes(result) + _compression_sentences(result)).strip()
 
@@ -606,7 +627,7 @@ def _verdict(r: dict) -> str:
         f"{op} {r[f'{op}_ratio']:.0%} ({r[f'{op}_gbps']:.2g} vs {r[f'ref_{op}_gbps']:.2g} GB/s)"
         for op in ("put", "get")
     )
-    missed = [op for op in ("put", "get") if r[f"{op}_ratio"] < TARGET]
+    missed = [op for op, line in (("put", PUT_TARGET), ("get", TARGET)) if r[f"{op}_ratio"] < line]
     return f"{r['tier']} {figures}: " + (f"misses on {' and '.join(missed)}" if missed else "meets")
 
 

@@ -98,6 +98,15 @@ class CorpusTokens:
         return list(self.tokens[start : start + n])
 
 
+def passage_tokens(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
+    """The first `n` tokens of one passage of the corpus that `seed` picks; only that
+    passage is tokenized (cheap enough for every engine's warm-up)."""
+    ids = tokenizer.encode(documents(1, 8 * n, seed=seed)[0], add_special_tokens=False)
+    if len(ids) < n:
+        raise ValueError(f"a passage of {8 * n} characters holds only {len(ids)} tokens, not {n}")
+    return ids[:n]
+
+
 def token_documents(tokenizer: Any, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     """One token list per entry of `lengths`, each a run of that many consecutive tokens
     of the tokenized corpus, the runs disjoint while the corpus lasts (then it wraps).

@@ -1,9 +1,9 @@
-"""Zero reuse: random prompts with no shared prefix at high concurrency, so the store
+"""Zero reuse: real-text prompts with no shared prefix at high concurrency, so the store
 never serves anything and only costs (lookups, copying chunks out, background writes).
 Output tokens/s with offload against the same engine without it (target: >= 97%).
 
 Prompt lengths are uniform in [(1 - spread) L, (1 + spread) L], so most prompts end
-inside a chunk and the connector saves their tail chunk too. The configurations run
+inside a chunk and the connector saves their tail record too. The configurations run
 interleaved over --repeats passes, every other pass in reverse order (none, cpu+disk,
 cpu+disk, none, ...: a steady drift of the machine cancels), each run on a fresh engine
 and store; a pass has prompts of its own, shared by its configurations, so
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from bench import plots
 from bench.common import markdown_table, median, parse_with_smoke
-from bench.driver import random_tokens
 from bench.kv_common import STORE_CONFIGS, delta, local_redis, numeric_stats, serve, store_options
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
-from connectors.chunks import ChunkGeometry
+from bench.text_corpus import CorpusTokens
+from connectors.planner import ChunkGeometry
 from engine import LLM, SamplingParams
 
 NAME = "zero-reuse"
@@ -59,10 +59,11 @@ def length_range(args: argparse.Namespace) -> tuple[int, int]:
     return max(1, round((1 - args.len_spread) * args.prompt_len)), round((1 + args.len_spread) * args.prompt_len)
 
 
-def make_prompts(args: argparse.Namespace, rng: random.Random, vocab: int) -> list[list[int]]:
-    """One pass's prompts: `concurrency` to warm an engine up, then the measured ones."""
+def make_prompts(args: argparse.Namespace, rng: random.Random, corpus: CorpusTokens) -> list[list[int]]:
+    """One pass's prompts of real text: `concurrency` to warm an engine up, then the
+    measured ones (each from its own point of the corpus, so no two share a block)."""
     low, high = length_range(args)
-    return [random_tokens(rng, rng.randint(low, high), vocab) for _ in range(args.num_prompts + args.concurrency)]
+    return [corpus.take(rng, rng.randint(low, high)) for _ in range(args.num_prompts + args.concurrency)]
 
 
 @contextmanager
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace, model: str, config: str, prompts: list[list[in
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": seconds, "cpu_s": cpu_s, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "output_tok_per_cpu_s": tokens / cpu_s, "prompt_tokens": sum(map(len, measured)),
-            "prompts_with_tail": sum(geometry.tail_end(len(p)) is not None for p in measured),
+            "prompts_with_tail": sum(geometry.tail(len(p) // geometry.block_size) is not None for p in measured),
             "saved_chunks": stats.get("kv_saved_chunks", 0), "save_copy_s": stats.get("kv_save_copy_seconds", 0.0),
             "loaded_tokens": stats.get("kv_loaded_tokens", 0)}
 
@@ -109,9 +110,9 @@ def profile(args: argparse.Namespace, model: str, prompts: list[list[int]], redi
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    model, vocab = checkpoint(args)
-    rng = random.Random(args.seed)
-    passes = [make_prompts(args, rng, vocab) for _ in range(args.repeats)]
+    model, _ = checkpoint(args)
+    rng, corpus = random.Random(args.seed), CorpusTokens.for_model(model)
+    passes = [make_prompts(args, rng, corpus) for _ in range(args.repeats)]
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": model, "passes": []}
     needs_redis = any("redis" in STORE_CONFIGS[c] for c in args.configs)
     with local_redis(args.redis_url if needs_redis else "unused") as redis_url:

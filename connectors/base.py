@@ -3,19 +3,20 @@ interface), and the null connector the engine uses when no store is configured.
 
 Roles, as in vLLM's KV connector v1:
 
-- scheduler side: decides what to load and save. `get_num_new_matched_tokens` at
-  admission, `update_state_after_alloc` once the request's blocks exist, `build_meta`
-  once per step, `request_preempted` / `request_finished` when a request leaves the
-  running set, `prefetch` for requests still queued.
+- scheduler side: decides what to load and save, from in-memory metadata only.
+  `get_num_new_matched_tokens` at admission, `update_state_after_alloc` once the
+  request's blocks exist, `build_meta` once per step, `request_preempted` /
+  `request_finished` when a request leaves the running set, `prefetch` for requests
+  still queued, `get_finished()` at the start of every schedule (which asynchronous
+  loads completed, and how many tokens each delivered).
 - worker side: moves the bytes. `start_load_kv(meta)` before the step's forward,
-  `wait_for_save()` after it, `get_finished()` at the start of every schedule (which
-  asynchronous loads completed, and how many tokens each delivered), `wait_for_loads`
-  when nothing but loads is in flight.
+  `wait_for_save()` after it, `wait_for_loads` when the engine has nothing to run but
+  requests waiting on the store.
 - admin side: pin, unpin, flush, stats and close, for the engine's admin methods.
 
 DESIGN.md's layer-wise hooks (`wait_for_layer_load`, `save_kv_layer`) are not part of
 this interface: loads complete before the forward and saves copy whole blocks after it
-(one index_select per chunk, see docs/ARCHITECTURE.md).
+(one copy per run of blocks, see docs/ARCHITECTURE.md).
 
 The engine is single-process, so one object plays every role; the split keeps the
 device work (worker side) out of the scheduling decisions.
@@ -65,19 +66,20 @@ class ScheduledBatch(Protocol):
     block_tables: list[list[int]]
 
 
-FinishedTransfers = tuple[set[str], dict[str, int]]
-"""(ids of finished requests whose blocks may now be freed, {id: tokens loaded})."""
+FinishedLoads = dict[str, int]
+"""{request id: tokens loaded} of the asynchronous loads that completed."""
 
 
 class SchedulerConnector(Protocol):
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond the device hit of `num_computed_tokens` that the store can
         supply, and whether they arrive asynchronously (the request then waits in
         WAITING_FOR_REMOTE_KV and the true count comes from `get_finished`). For a
         synchronous answer the count is exact: those tokens will be in the device
-        blocks before the next forward."""
+        blocks before the next forward. None: not known yet (the store is still finding
+        out, asynchronously); the scheduler leaves the request waiting and asks again."""
         ...
 
     def update_state_after_alloc(
@@ -95,16 +97,16 @@ class SchedulerConnector(Protocol):
         """Offload mode: called before a preempted request's blocks are freed."""
         ...
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        """The request finished; True keeps its blocks until `get_finished` reports it
-        saved."""
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        """The request finished (or was aborted); its blocks are freed right after. What
+        it computed was copied out in its last step."""
         ...
 
     def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:
         """These requests are still queued: start pulling their chunks closer."""
         ...
 
-    def get_finished(self) -> FinishedTransfers: ...
+    def get_finished(self) -> FinishedLoads: ...
 
 
 class WorkerConnector(Protocol):
@@ -116,7 +118,8 @@ class WorkerConnector(Protocol):
         ...
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """Block until an asynchronous load completes or `timeout_s` passes."""
+        """Block until something a waiting request needs from the store completes (a load,
+        a lookup) or `timeout_s` passes."""
         ...
 
 
@@ -145,7 +148,7 @@ class NullConnector:
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         return 0, False
 
     def update_state_after_alloc(
@@ -159,14 +162,14 @@ class NullConnector:
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         return None
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        return False
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        return None
 
     def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:
         return None
 
-    def get_finished(self) -> FinishedTransfers:
-        return set(), {}
+    def get_finished(self) -> FinishedLoads:
+        return {}
 
     def start_load_kv(self, meta: object) -> None:
         return None

@@ -1,47 +1,37 @@
-"""The connector's counters (flat `kv_*` engine stats) and the per-tier store view that
-the server exports (`kv_tiers`, contract in engine/server/metrics.py)."""
+"""The connector's counters as flat `kv_*` engine stats, and the per-tier store view
+that the server exports (`kv_tiers`, contract in engine/server/metrics.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.planner import PlannerCounters
+from connectors.worker import WorkerCounters
 
-@dataclass
-class ConnectorCounters:
-    """Updated on the engine thread only."""
 
-    loaded_tokens: int = 0
-    loaded_tokens_by_tier: Counter[str] = field(default_factory=Counter)
-    async_loads: int = 0
-    load_failures: int = 0  # loads that delivered fewer tokens than the lookup promised
-    load_failed_tokens: int = 0  # promised tokens that were recomputed instead
-    saved_chunks: int = 0
-    save_skipped_chunks: int = 0  # no staging buffer was free
-    offloaded_chunks: int = 0  # saved because their request was preempted
-    prefetched_requests: int = 0
-    load_copy_seconds: float = 0.0  # host staging -> device blocks
-    save_copy_seconds: float = 0.0  # device blocks -> host staging -> store (cpu copy)
-
-    def as_stats(self, tiers: Sequence[str]) -> dict[str, int | float]:
-        stats: dict[str, int | float] = {
-            f"kv_external_hit_tokens_{tier}": self.loaded_tokens_by_tier[tier] for tier in tiers
-        }
-        stats.update(
-            kv_loaded_tokens=self.loaded_tokens,
-            kv_async_loads=self.async_loads,
-            kv_load_failures=self.load_failures,
-            kv_load_failed_tokens=self.load_failed_tokens,
-            kv_saved_chunks=self.saved_chunks,
-            kv_save_skipped_chunks=self.save_skipped_chunks,
-            kv_offloaded_chunks=self.offloaded_chunks,
-            kv_prefetched_requests=self.prefetched_requests,
-            kv_load_copy_seconds=self.load_copy_seconds,
-            kv_save_copy_seconds=self.save_copy_seconds,
-        )
-        return stats
+def connector_stats(
+    planner: PlannerCounters, worker: WorkerCounters, saved: tuple[int, int, int], tiers: Sequence[str]
+) -> dict[str, int | float]:
+    """`saved`: (records saved after a step, records saved for a preempted request,
+    records skipped for want of a free slot)."""
+    saved_chunks, offloaded_chunks, skipped_chunks = saved
+    stats: dict[str, int | float] = {
+        f"kv_external_hit_tokens_{tier}": worker.loaded_tokens_by_tier.get(tier, 0) for tier in tiers
+    }
+    stats.update(
+        kv_loaded_tokens=worker.loaded_tokens,
+        kv_async_loads=planner.async_loads,
+        kv_load_failures=planner.load_failures,
+        kv_load_failed_tokens=planner.load_failed_tokens,
+        kv_saved_chunks=saved_chunks,
+        kv_save_skipped_chunks=skipped_chunks,
+        kv_offloaded_chunks=offloaded_chunks,
+        kv_prefetched_requests=planner.prefetched_requests,
+        kv_load_copy_seconds=worker.load_copy_seconds,
+        kv_save_copy_seconds=worker.save_copy_seconds,
+    )
+    return stats
 
 
 def tier_view(snapshot: Any) -> dict[str, Any]:

@@ -290,8 +290,12 @@ class StoreOptions(Options):
         STORE_DEFAULT, "Seconds to wait for a disk/redis load before recomputing instead.",
         metavar="SECONDS", store="load_timeout_s")
     kv_lookup_timeout: PositiveFloat = option(
-        STORE_DEFAULT, "Seconds a lookup may wait on Redis (at admission) before it counts as a miss.",
+        STORE_DEFAULT, "Seconds an asynchronous probe of Redis's block index may take; blocks it "
+        "has not found by then are recomputed (the scheduler never waits on it).",
         metavar="SECONDS", store="lookup_timeout_s")
+    kv_refresh_interval: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds between background rescans of the disk directory for records other "
+        "processes (or an earlier run) wrote.", metavar="SECONDS", store="refresh_interval_s")
     kv_write_workers: PositiveInt = option(
         STORE_DEFAULT, "Background threads writing records to disk and Redis.", store="write_workers")
     kv_max_pending_writes: Size = option(

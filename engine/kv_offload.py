@@ -14,7 +14,7 @@ from engine.kv_cache_manager import cdiv
 logger = logging.getLogger(__name__)
 
 STAGING_MAX_BYTES = 1 << 30
-STAGING_SLACK_CHUNKS = 8
+STAGING_SLACK_RECORDS = 8
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -28,14 +28,11 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
         return NullConnector()
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
 
-    settings = ConnectorSettings(
-        chunk_tokens=config.kv_chunk_tokens,
-        save_decode=config.kv_save_decode,
-        load_timeout_s=config.kv_load_timeout,
-        staging_chunks=staging_chunks(config, chunk_bytes(config, kv_cache)),
-    )
+    settings = ConnectorSettings(chunk_tokens=config.kv_chunk_tokens, save_decode=config.kv_save_decode)
+    options = config.store_options()
+    options["staging_size"] = staging_size(config, chunk_bytes(config, kv_cache))
     try:
-        connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **config.store_options())
+        connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **options)
     except ConnectorConfigError as exc:
         raise ConfigError(store_option(exc.option), str(exc)) from exc
     if connector.store.probe_remote(PROBE_TIMEOUT_S):
@@ -52,10 +49,11 @@ def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:
     return kv_cache[0].nbytes * (config.kv_chunk_tokens // config.block_size)
 
 
-def staging_chunks(config: EngineConfig, nbytes: int) -> int:
-    """Host staging, in chunks: one whole request of max_model_len plus slack, at most
-    STAGING_MAX_BYTES. Staging is held only while a load is in flight or a copy out is
-    not done, and the pool is touched up front (resident memory). A load that finds no
-    free buffer loads fewer chunks; a save skips the chunk."""
-    wanted = cdiv(config.max_model_len, config.kv_chunk_tokens) + 2 * STAGING_SLACK_CHUNKS
-    return max(STAGING_SLACK_CHUNKS, min(wanted, STAGING_MAX_BYTES // nbytes))
+def staging_size(config: EngineConfig, nbytes: int) -> int:
+    """Host slots of a store without the cpu tier, in bytes: records of one whole request
+    of max_model_len plus slack, at most STAGING_MAX_BYTES (a slot holds a record's
+    payload plus its header, a few KiB more). A slot is held while its load or its write
+    is in flight; a load that finds none free loads fewer blocks, a save skips the record."""
+    per_slot = nbytes + 8192
+    wanted = cdiv(config.max_model_len, config.kv_chunk_tokens) + 2 * STAGING_SLACK_RECORDS
+    return per_slot * max(STAGING_SLACK_RECORDS, min(wanted, STAGING_MAX_BYTES // per_slot))

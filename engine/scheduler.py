@@ -14,8 +14,9 @@ device prefix hit the store can supply. A synchronous answer is admitted at once
 those tokens computed; an asynchronous one gets blocks for them and waits in `loading`
 (status WAITING_FOR_REMOTE_KV, no compute, no budget, but a `max_num_seqs` slot) until
 `get_finished` reports how many tokens really arrived; it then joins the running
-requests and computes the rest. Requests still queued are handed to the connector's
-`prefetch`.
+requests and computes the rest. A request the connector cannot answer yet (None: its
+store lookup is still out) keeps its place in the queue and is skipped for this step.
+Requests still queued are handed to the connector's `prefetch`.
 
 Parallel sampling (n > 1): the n sequences of one prompt share its KV. The first one
 (the leader) is scheduled alone; its followers wait in `forks` and, once the leader's
@@ -92,7 +93,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
-        self.saving: dict[str, Request] = {}
+        self.num_lookups_pending = 0  # waiting requests the connector could not answer yet
         self.forks: dict[str, list[Request]] = {}  # leader id -> followers waiting for its prefill
         self.num_preemptions_total = 0
         self.num_recomputed_tokens = 0
@@ -139,13 +140,6 @@ class Scheduler:
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_saving(self, request_ids: list[str]) -> None:
-        """Free the blocks of finished requests whose KV the connector has saved."""
-        for request_id in request_ids:
-            request = self.saving.pop(request_id, None)
-            if request is not None:
-                self.kv.free(request)
-
     def _drop_follower(self, request: Request) -> bool:
         """Take a follower that was not forked yet out of its group; False if it is none."""
         for followers in self.forks.values():
@@ -167,7 +161,8 @@ class Scheduler:
 
     @property
     def num_loading(self) -> int:
-        return len(self.loading)
+        """Requests waiting on the KV store: loading, or with a lookup still out."""
+        return len(self.loading) + self.num_lookups_pending
 
     def stats(self) -> dict[str, int | float]:
         """Counters under vLLM's metric names; prefix-cache counts are tokens. Waiting
@@ -189,6 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and advance the chosen requests' num_computed_tokens."""
         self._collect_transfers()
+        self.num_lookups_pending = 0
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -277,24 +273,32 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order; one the connector cannot answer yet is
+        skipped (it keeps its place), one that does not fit ends the admissions."""
+        index = 0
         while (
-            self.waiting and budget > 0
+            index < len(self.waiting) and budget > 0
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[index]
             if self.kv.get_blocks(request.request_id):  # a follower holding its leader's blocks
                 num_new = self._admit_fork(request, budget)
             else:
                 hits, num_local = self.kv.get_computed_blocks(request)
                 num_external, load_async = self._num_external_tokens(request, num_local)
+                if num_external is None:
+                    self.num_lookups_pending += 1
+                    index += 1
+                    continue
                 if load_async:
                     if not self._start_remote_load(request, hits, num_local, num_external):
                         break
+                    del self.waiting[index]
                     continue
                 num_new = self._admit(request, hits, num_local, num_external, budget)
             if num_new is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(request)
             self._add_to_output(out, request, num_new)
             budget -= num_new
@@ -345,7 +349,6 @@ class Scheduler:
         when the pool cannot hold them now."""
         if self.kv.allocate_slots(request, 0, hits, num_external) is None:
             return False
-        self.waiting.popleft()
         block_ids = self.kv.get_block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -356,11 +359,10 @@ class Scheduler:
         return True
 
     def _collect_transfers(self) -> None:
-        """Free the blocks of requests saved meanwhile; move requests whose load
-        finished to the running set, with the tokens that really arrived computed."""
-        saved, loaded = self.connector.get_finished()
-        self.finish_saving(list(saved))
-        for request_id, num_loaded in loaded.items():
+        """Move requests whose load finished to the running set, with the tokens that
+        really arrived computed. (The KV store connector never keeps a finished
+        request's blocks: its records are copied out in its last step.)"""
+        for request_id, num_loaded in self.connector.get_finished().items():
             request = self.loading.pop(request_id, None)
             if request is None:
                 continue
@@ -378,10 +380,12 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    def _num_external_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+    def _num_external_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """Tokens the connector can load after the device hit, leaving the last token
-        to compute, and whether they load asynchronously."""
+        to compute, and whether they load asynchronously; None: not known yet."""
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
+        if num_external is None:
+            return None, False
         num_external = max(min(num_external, request.num_tokens - 1 - num_computed), 0)
         return num_external, load_async and num_external > 0
 
@@ -421,8 +425,5 @@ class Scheduler:
         request.status = status
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
-        block_ids = self.kv.get_block_ids(request.request_id)
-        if self.connector.request_finished(request, block_ids):
-            self.saving[request.request_id] = request
-        else:
-            self.kv.free(request)
+        self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        self.kv.free(request)

@@ -1,4 +1,4 @@
-"""Content-addressed KV chunk store over the cpu, disk and redis tiers.
+"""Content-addressed KV record store over the cpu, disk and redis tiers.
 
 Entry point: `TieredStore.from_options(ChunkSpec.for_kv_layout(...), tiers="cpu,disk")`.
 """
@@ -11,17 +11,20 @@ from kvstore.errors import (
     StoreConfigError,
     StoreError,
 )
+from kvstore.index import BlockLocation, StoredRecord
 from kvstore.keys import ChunkKey
-from kvstore.loading import LoadResult
 from kvstore.saving import SaveResult
-from kvstore.spec import ChunkSpec
+from kvstore.spec import ChunkSpec, host_copy
 from kvstore.stats import StoreSnapshot
-from kvstore.store import LookupResult, TieredStore
+from kvstore.store import Load, LoadPart, LoadResult, LookupResult, TieredStore
 
 __all__ = [
+    "BlockLocation",
     "ChunkKey",
     "ChunkSpec",
     "ChunkSpecError",
+    "Load",
+    "LoadPart",
     "LoadResult",
     "LookupResult",
     "RecordError",
@@ -31,5 +34,7 @@ __all__ = [
     "StoreConfigError",
     "StoreError",
     "StoreSnapshot",
+    "StoredRecord",
     "TieredStore",
+    "host_copy",
 ]

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import StoreConfigError
-from kvstore.spec import ChunkSpec
-from tiers.base import Tier
+from kvstore.record import RecordCodec
+from tiers.base import RecordTier
 from tiers.cpu import CpuTier
 from tiers.disk import FSYNC_POLICIES, DiskTier
 from tiers.errors import TierConfigError
@@ -39,6 +39,8 @@ class StoreConfig:
 
     tiers: tuple[str, ...] = ("cpu",)
     cpu_size: int = 4 * GiB
+    # host slots of a store without the cpu tier; with it, the slots touched up front
+    staging_size: int = 64 * 1024**2
     pin_memory: bool | None = None  # None: pinned iff CUDA is available
     disk_path: str | None = None
     disk_size: int = 32 * GiB
@@ -51,7 +53,8 @@ class StoreConfig:
     redis_probe_interval_s: float = 1.0
     compress: str | None = None  # applies to disk and redis records
     secret: str | bytes | None = field(default=None, repr=False)
-    lookup_timeout_s: float = 0.1  # bound on the Redis round trip inside lookup()
+    lookup_timeout_s: float = 0.1  # bound on a probe of Redis's block index
+    refresh_interval_s: float = 1.0  # how often listable tiers (disk) are rescanned
     load_timeout_s: float = 10.0
     max_pending_write_bytes: int = 256 * 1024**2
     write_workers: int = 2
@@ -67,8 +70,8 @@ class StoreConfig:
             raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4", "compress")
         if self.disk_fsync not in FSYNC_POLICIES:
             raise StoreConfigError(f"must be one of {', '.join(FSYNC_POLICIES)}", "disk_fsync")
-        positive = ("cpu_size", "disk_size", "lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s",
-                    "redis_connect_timeout_s", "redis_probe_interval_s", "write_workers")
+        positive = ("cpu_size", "staging_size", "disk_size", "lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s",
+                    "redis_connect_timeout_s", "redis_probe_interval_s", "refresh_interval_s", "write_workers")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise StoreConfigError(f"must be positive, got {getattr(self, name)}", name)
@@ -84,12 +87,22 @@ class StoreConfig:
         return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
 
 
-def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Tier]:
-    """The configured tiers, fastest first; TierConfigError becomes StoreConfigError
+def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> CpuTier:
+    """The host slots: the cpu tier when configured, else staging slots that keep nothing."""
+    retain = "cpu" in config.tiers
+    size = config.cpu_size if retain else config.staging_size
+    try:
+        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain)
+    except TierConfigError as exc:
+        raise StoreConfigError(str(exc), "cpu_size" if retain else "staging_size") from exc
+
+
+def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> list[RecordTier]:
+    """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError
     naming the tier's option."""
     builders = {
-        "cpu": lambda: CpuTier(config.cpu_size, spec.shape, spec.dtype, pins, config.pin_memory),
-        "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync),
+        "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,
+                                 head_bytes=codec.head_size),
         "redis": lambda: RedisTier(
             config.redis_url,
             pins,
@@ -102,6 +115,8 @@ def build_tiers(spec: ChunkSpec, config: StoreConfig, pins: PinTable) -> list[Ti
     }
     tiers = []
     for name in config.tiers:
+        if name == "cpu":
+            continue
         try:
             tiers.append(builders[name]())
         except TierConfigError as exc:

@@ -8,17 +8,19 @@ from tiers.stats import CounterSet, TierSnapshot
 
 STORE_COUNTER_FIELDS: tuple[str, ...] = (
     "lookups",
-    "lookup_chunks",  # chunks asked about
-    "lookup_hit_chunks",  # chunks in the returned prefix runs
+    "lookup_blocks",  # blocks asked about
+    "lookup_hit_blocks",  # blocks in the returned runs
+    "probes",  # asynchronous lookups of a remote tier's block index
+    "probe_hit_blocks",  # blocks a probe found
     "loads",
-    "load_chunks",
-    "load_hit_chunks",
-    "saves",
-    "save_chunks",
-    "save_dropped_chunks",  # lower-tier writes skipped: too many bytes already pending
-    "save_failed_chunks",  # a configured tier could not store the chunk
-    "promotions",  # lower-tier hits copied into the cpu tier
-    "prefetch_chunks",  # chunks prefetched into the cpu tier
+    "load_records",  # records a load needed from a record tier
+    "load_hit_records",  # of those, records that arrived
+    "saves",  # records committed to the host slots
+    "save_skipped_records",  # no slot could be had (every one held)
+    "save_dropped_records",  # lower-tier writes skipped: too much already pending
+    "save_failed_records",  # a configured tier could not store the record
+    "promotions",  # lower-tier hits kept in the cpu tier
+    "prefetch_records",  # records prefetched into the cpu tier
     "internal_errors",  # unexpected exceptions caught at the store boundary
 )
 

@@ -1,14 +1,17 @@
-"""TieredStore: the content-addressed KV chunk store the connector talks to.
+"""TieredStore: the content-addressed KV record store the connector talks to.
 
-Threading model: the engine calls every public method from its own (synchronous) thread.
-`lookup` answers synchronously from in-memory indexes (plus one pipelined EXISTS to Redis,
-bounded by `lookup_timeout_s`); `load`, `save` and `prefetch` return
-concurrent.futures.Future that the caller can poll with `.done()` and that cannot be
-cancelled (they resolve when the store no longer touches the caller's buffers). I/O runs
-on an asyncio loop in a daemon thread owned by the store.
+Metadata apart from data (docs/ARCHITECTURE.md, KV store). The engine thread calls every
+public method. What the scheduler asks (`locate`, `has_record`, `lookup`) is answered
+from the in-memory BlockIndex, after `poll` has applied what the I/O side reported; it
+never waits on I/O. Data moves through host slots (tiers.cpu): `open_load` references
+the slots of records in the cpu tier and reads the others into reserved slots on the
+I/O loop; `reserve` / `commit` take a save from the caller's copy into a slot to the
+cpu tier and the write-behind. `probe` asks a remote tier's block index asynchronously.
+I/O runs on an asyncio loop in a daemon thread owned by the store; futures returned here
+cannot be cancelled and resolve when the store no longer touches the slots involved.
 
-Failure model: a missing, corrupt, foreign or unreadable chunk, a slow or dead tier, is a
-miss (counted per tier), never an exception. Exceptions are raised only for misuse: a
+Failure model: a missing, corrupt, foreign or unreadable record, a slow or dead tier, is
+a miss (counted per tier), never an exception. Exceptions are raised only for misuse: a
 tensor that does not match the ChunkSpec (ChunkSpecError) or a closed store
 (StoreClosedError).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,29 +30,29 @@ from typing import Any
 
 import torch
 
-from kvstore.buffers import BufferPool
 from kvstore.compression import resolve_codec
-from kvstore.config import StoreConfig, build_tiers
-from kvstore.errors import StoreClosedError, StoreConfigError
+from kvstore.config import StoreConfig, build_memory, build_record_tiers
+from kvstore.errors import RecordError, StoreClosedError, StoreConfigError
+from kvstore.index import BlockIndex, BlockLocation, StoredRecord
 from kvstore.keys import ChunkKey, ChunkKeyer
-from kvstore.loading import Loader, LoadResult
+from kvstore.loading import Loader, ReadState, RecordRead
 from kvstore.parts import StoreParts
-from kvstore.record import RecordCodec
-from kvstore.runtime import IoRuntime
+from kvstore.record import RecordCodec, parse_head
+from kvstore.runtime import IoRuntime, pending_future, resolved
 from kvstore.saving import SaveResult, WriteBehind
-from kvstore.spec import ChunkSpec
+from kvstore.spec import ChunkSpec, host_copy
 from kvstore.stats import StoreCounters, StoreSnapshot
-from tiers.base import RecordTier, Tier
-from tiers.cpu import CpuTier
+from tiers.base import RecordTier, Tier, check_key
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, CpuTier
+from tiers.errors import TierConfigError
 from tiers.pins import PinTable
-from tiers.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class LookupResult:
-    """The leading run of keys the store holds, and the tier each one is in."""
+    """The leading run of keys the store holds, and the fastest tier holding each."""
 
     tiers: tuple[str, ...]
 
@@ -56,38 +61,109 @@ class LookupResult:
         return len(self.tiers)
 
 
+@dataclass(frozen=True)
+class LoadResult:
+    """Per key, the tier that delivered the record, or None for a miss."""
+
+    tiers: tuple[str | None, ...]
+
+    @property
+    def ok(self) -> tuple[bool, ...]:
+        return tuple(t is not None for t in self.tiers)
+
+    @property
+    def num_leading_ok(self) -> int:
+        for index, tier in enumerate(self.tiers):
+            if tier is None:
+                return index
+        return len(self.tiers)
+
+
+@dataclass(eq=False)
+class LoadPart:
+    """Blocks [position, position + count) of record `name`, held in `slot`."""
+
+    name: str
+    position: int
+    count: int
+    slot: int
+    read: RecordRead | None  # None: the record is in the cpu tier (the slot is held)
+
+    @property
+    def tier(self) -> str | None:
+        """Where the blocks came from; None while they have not (or will not) arrive."""
+        if self.read is None:
+            return CpuTier.name
+        return self.read.tier if self.read.state is ReadState.OK else None
+
+
+@dataclass(eq=False)
+class Load:
+    """Records opened for one load, in block order; `future` is done when every read is
+    (at once when they all were in the cpu tier)."""
+
+    parts: list[LoadPart]
+    future: Future[None]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(part.count for part in self.parts)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def arrived_blocks(self) -> int:
+        """Blocks of the leading run of parts that arrived (once done)."""
+        total = 0
+        for part in self.parts:
+            if part.tier is None:
+                break
+            total += part.count
+        return total
+
+
 class TieredStore:
     def __init__(
         self,
         spec: ChunkSpec,
-        tiers: Sequence[Tier],
+        memory: CpuTier,
+        lower: Sequence[RecordTier] = (),
         config: StoreConfig | None = None,
         pins: PinTable | None = None,
     ) -> None:
-        """Use `from_options` unless you build the tiers yourself (tests, tools)."""
+        """Use `from_options` unless you build the tiers yourself (tests, tools).
+        `memory`'s slots must hold a record (`RecordCodec(spec).slot_bytes`)."""
         self.spec = spec
         self.config = config or StoreConfig()
         self.pins = pins or PinTable()
-        self.tiers = list(tiers)
-        self._check_tiers()
+        self.memory = memory
+        self.lower = list(lower)
+        self.tiers: list[Tier] = ([memory] if memory.retain else []) + self.lower
+        names = [t.name for t in self.tiers]
+        if not names or len(set(names)) != len(names):
+            raise StoreConfigError(f"a store needs distinct tiers, got {names}")
         for tier in self.tiers:
             tier.pins = self.pins
-        self.keyer = ChunkKeyer(spec.fingerprint, spec.chunk_tokens)
-        codec = resolve_codec(self.config.compress, spec.itemsize)
-        self.codec = RecordCodec(spec, codec, self.config.secret_bytes)
-        self.cpu = next((t for t in self.tiers if isinstance(t, CpuTier)), None)
-        self.lower = [t for t in self.tiers if isinstance(t, RecordTier)]
+        self.keyer = ChunkKeyer(spec.fingerprint, spec.chunk_tokens, spec.blocks_per_chunk)
+        self.codec = RecordCodec(spec, resolve_codec(self.config.compress, spec.itemsize), self.config.secret_bytes)
+        if memory.slot_bytes < self.codec.slot_bytes:
+            raise StoreConfigError(f"host slots of {memory.slot_bytes} bytes cannot hold a record")
+        memory.touch_pages(self.config.staging_size)
+        self.index = BlockIndex(names, spec.blocks_per_chunk)
         self.counters = StoreCounters()
         self._closed = False
+        self._prefetches: list[tuple[Future[None], list[RecordRead]]] = []
         self._runtime = IoRuntime()
-        buffers = BufferPool(self.codec.max_record_size, keep=self._pool_size())
-        parts = StoreParts(self.codec, self.cpu, self.lower, self._runtime, self.counters, buffers)
-        self._writer = WriteBehind(parts, self.config.max_pending_write_bytes)
-        self._loader = Loader(parts, self.config.promote)
+        self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self._runtime, self.counters)
+        self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes)
+        self._loader = Loader(self._parts)
         self._writer.start(self.config.write_workers)
-        for tier in self.lower:
+        listable = [t for t in self.lower if self._scan_now(t)]
+        for tier in self.tiers:
             for name, factory in tier.workers():
                 self._runtime.supervise(name, factory)
+        if listable:
+            self._runtime.supervise("index-refresh", lambda: self._refresh_forever(listable))
 
     @classmethod
     def from_options(cls, spec: ChunkSpec, **options: Any) -> TieredStore:
@@ -95,102 +171,300 @@ class TieredStore:
         `from_options(spec, tiers="cpu,disk", cpu_size=4 << 30, disk_path="/var/kv")`."""
         config = StoreConfig(**options)
         pins = PinTable()
-        return cls(spec, build_tiers(spec, config, pins), config, pins)
+        codec = RecordCodec(spec)
+        memory = build_memory(codec, config, pins)
+        return cls(spec, memory, build_record_tiers(codec, config, pins), config, pins)
 
-    # keys ----------------------------------------------------------------------------
+    # keys ------------------------------------------------------------------------------
 
-    def key(self, block_hash: bytes) -> ChunkKey:
-        """The key of the chunk that ends with the block whose chained hash is given."""
-        return self.keyer.key(block_hash)
+    def key(self, block_hashes: Sequence[bytes], first_block: int = 0) -> ChunkKey:
+        """The key of the record of these blocks, the first of which is block `first_block`."""
+        return self.keyer.key(block_hashes, first_block)
 
     def chunk_keys(self, block_hashes: Sequence[bytes], block_size: int) -> list[ChunkKey]:
-        """Keys of every complete chunk, given a request's full-block hashes in order."""
-        return self.keyer.chunk_keys(block_hashes, self.spec.chunk_tokens // block_size)
+        """Keys of every full record of a sequence, given all its full-block hashes."""
+        if self.spec.chunk_tokens // block_size != self.spec.blocks_per_chunk:
+            raise StoreConfigError(f"block size {block_size} does not match the store's chunks")
+        return self.keyer.chunk_keys(block_hashes)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tiers)
 
-    # data path -------------------------------------------------------------------------
+    @property
+    def has_remote_index(self) -> bool:
+        """Whether a tier may hold records this process has not been told about, to be
+        found with `probe`."""
+        return any(t.remote for t in self.lower)
+
+    # metadata: in memory, engine thread -------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply what the I/O side reported (writes, reads, scans, probes), what the tiers
+        dropped, and finish the prefetches that are done."""
+        while True:
+            try:
+                event = self._parts.events.get_nowait()
+            except queue.Empty:
+                break
+            event(self.index)
+        for tier in self.tiers:
+            removed = tier.take_removed()
+            if removed:
+                self.index.discard(removed, tier.name)
+        done = [p for p in self._prefetches if p[0].done()]
+        if done:
+            self._prefetches = [p for p in self._prefetches if not p[0].done()]
+            for _, reads in done:
+                self.counters.add(prefetch_records=sum(r.state is ReadState.OK for r in reads))
+                self._settle_reads(reads)
+
+    def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> list[BlockLocation]:
+        """The leading run of blocks `start..end-1` of a sequence that the store holds."""
+        self._check_open()
+        self.poll()
+        run = self.index.locate(block_hashes, start, end)
+        self.counters.add(lookups=1, lookup_blocks=max(0, end - start), lookup_hit_blocks=len(run))
+        return run
+
+    def has_record(self, name: str) -> bool:
+        return self.index.get(name) is not None
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """How many leading chunks are available, and where (a gap ends the run)."""
+        """How many leading records of `keys` the store holds, and where."""
         self._check_open()
+        self.poll()
         found: list[str] = []
-        try:
-            found = self._lookup(keys)
-        except Exception:
-            self.counters.add(internal_errors=1)
-            log.exception("kvstore lookup failed; reporting no hits")
-        self.counters.add(lookups=1, lookup_chunks=len(keys), lookup_hit_chunks=len(found))
+        for key in keys:
+            record = self.index.get(key.name)
+            if record is None:
+                break
+            found.append(self.index.best_tier(record))
         return LookupResult(tuple(found))
+
+    def probe(self, block_hashes: Sequence[bytes], start: int, end: int) -> Future[int] | None:
+        """Ask the remote tiers' block indexes about blocks `start..end-1` of a sequence;
+        what they know is in the index once the future is done (it gives how many blocks
+        were found). None when no remote tier can be asked now."""
+        self._check_open()
+        tiers = [t for t in self.lower if t.remote and t.health.available()]
+        if not tiers or start >= end:
+            return None
+        self.counters.add(probes=1)
+        hashes = list(block_hashes[start:end])
+        future: Future[int] = pending_future()
+        self._runtime.spawn(self._probe(tiers, hashes, start, future))
+        return future
+
+    # data ------------------------------------------------------------------------------
+
+    def open_load(self, run: Sequence[BlockLocation], timeout_s: float | None = None) -> Load:
+        """Open the records holding `run` (from `locate`): a record in the cpu tier is
+        held as it is, the others are read into reserved slots. The load covers the
+        leading part of `run` that got a slot. Give it back with `close_load`."""
+        self._check_open()
+        parts: list[LoadPart] = []
+        reads: list[RecordRead] = []
+        for location in run:
+            record = location.record
+            if parts and parts[-1].name == record.name and location.position == parts[-1].position + parts[-1].count:
+                parts[-1].count += 1
+                continue
+            part = self._open_part(record, location.position)
+            if part is None:
+                break
+            parts.append(part)
+            if part.read is not None:
+                reads.append(part.read)
+        self.counters.add(loads=1, load_records=len(reads))
+        if not reads:
+            return Load(parts, resolved(None))
+        return Load(parts, self._loader.read(reads, timeout_s or self.config.load_timeout_s))
+
+    def view(self, part: LoadPart) -> torch.Tensor:
+        """The part's blocks in its slot, `[count, *block shape]` (valid until closed)."""
+        return self._payload(part.slot, part.position, part.count)
+
+    def close_load(self, load: Load, copy_seconds: float | None = None) -> None:
+        """Give back a load whose future is done: records read from a lower tier are
+        kept in the cpu tier (promotion, no copy), the slots are released.
+        `copy_seconds`: how long copying its cpu-tier blocks out took (get latency)."""
+        self.counters.add(load_hit_records=sum(p.read is not None and p.tier is not None for p in load.parts))
+        if copy_seconds is not None and self.memory.retain and any(p.read is None for p in load.parts):
+            self.memory.counters.observe_get(copy_seconds)
+        for part in load.parts:
+            if part.read is None:
+                self.memory.counters.add(hits=1, bytes_read=part.count * self.spec.block_bytes)
+                self.memory.release(part.slot)
+        self._settle_reads([p.read for p in load.parts if p.read is not None])
+
+    def prefetch(self, records: Sequence[StoredRecord]) -> Future[None] | None:
+        """Read these records into the cpu tier in the background; the future is done when
+        they are in (None: nothing to read, or no cpu tier to read into)."""
+        self._check_open()
+        if not self.memory.retain or not self.config.promote:
+            return None
+        reads = []
+        for record in records:
+            if CpuTier.name in record.tiers:
+                continue
+            read = self._start_read(record)
+            if read is None:
+                break
+            reads.append(read)
+        if not reads:
+            return None
+        future = self._loader.read(reads, self.config.load_timeout_s)
+        self._prefetches.append((future, reads))
+        return future
+
+    def prefetch_run(self, run: Sequence[BlockLocation]) -> Future[None] | None:
+        """`prefetch` of the records holding a run of blocks (from `locate`)."""
+        return self.prefetch(list({id(loc.record): loc.record for loc in run}.values()))
+
+    def record_name(self, block_hash: bytes) -> str:
+        """The tier name of the record that ends with this block."""
+        return self.keyer.name(block_hash)
+
+    def reserve(self, key: ChunkKey) -> int | None:
+        """A host slot to copy the record of `key` into (its payload: `payload`), or None
+        when the record is there already or no slot is free (counted)."""
+        self._check_open()
+        slot = self.memory.reserve(key.name)
+        if slot == NO_ROOM:
+            self.counters.add(save_skipped_records=1)
+        return None if slot in (ALREADY_PRESENT, NO_ROOM) else slot
+
+    def payload(self, slot: int, num_blocks: int) -> torch.Tensor:
+        """The first `num_blocks` blocks of a slot's payload, `[num_blocks, *block shape]`."""
+        return self._payload(slot, 0, num_blocks)
+
+    def commit(self, slot: int, key: ChunkKey, copy_seconds: float | None = None) -> Future[frozenset[str]]:
+        """The record of `key` is complete in `slot`: the cpu tier holds it now, the
+        write-behind writes it to the record tiers that lack it; the future gives every
+        tier holding it then. The caller's reference on the slot is released.
+        `copy_seconds`: how long copying it into the slot took (put latency)."""
+        self.memory.commit(slot)
+        if copy_seconds is not None and self.memory.retain:
+            self.memory.counters.observe_put(copy_seconds)
+        stored: set[str] = set()
+        if self.memory.retain:
+            self.index.add(key.name, key.first_block, key.block_hashes, self.memory.name)
+            stored.add(self.memory.name)
+        record = self.index.get(key.name)
+        held = record.tiers if record is not None else set()
+        targets = [t for t in self.lower if t.name not in held]
+        stored |= {t.name for t in self.lower if t.name in held}
+        self.counters.add(saves=1)
+        future = self._writer.submit(key, slot, targets, stored)
+        self.memory.release(slot)
+        return future
+
+    # tensors in and out (tests, tools, benchmarks) ----------------------------------------
+
+    def save(self, keys: Sequence[ChunkKey], tensors: Sequence[torch.Tensor]) -> Future[SaveResult]:
+        """Store records copied from caller tensors (`[n, *block shape]`, n the key's
+        blocks). The tensors are copied before this returns; the future completes when the
+        record tiers are written."""
+        self._check_open()
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
+        for key, tensor in zip(keys, tensors, strict=True):
+            if self.spec.check_tensor(tensor) != key.num_blocks:
+                raise ValueError(f"key {key.name} has {key.num_blocks} blocks, its tensor {tensor.shape[0]}")
+        self.poll()
+        futures: list[Future[frozenset[str]]] = []
+        for key, tensor in zip(keys, tensors, strict=True):
+            slot = self.reserve(key)
+            if slot is None:
+                record = self.index.get(key.name)
+                futures.append(resolved(frozenset(record.tiers) if record is not None else frozenset()))
+                continue
+            started = time.perf_counter()
+            host_copy(self.payload(slot, key.num_blocks), tensor)
+            futures.append(self.commit(slot, key, time.perf_counter() - started))
+        return _gather_saves(futures, self._writer.all_tiers)
 
     def load(
         self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], timeout_s: float | None = None
     ) -> Future[LoadResult]:
-        """Fill `outs` (caller-owned CPU tensors of the ChunkSpec) with the chunks of `keys`.
-
-        Do not touch `outs` until the future is done; it always completes, within
-        `timeout_s` (default `config.load_timeout_s`) plus one chunk's decode."""
+        """Copy the records of `keys` into `outs` (caller tensors `[n, *block shape]`),
+        reading by name from the first tier that has them. Do not touch `outs` until the
+        future is done; it always completes, within `timeout_s` plus one record's decode."""
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
-        for out in outs:
-            self.spec.check_tensor(out)
-        return self._loader.load(keys, outs, timeout_s or self.config.load_timeout_s)
+        for key, out in zip(keys, outs, strict=True):
+            if self.spec.check_tensor(out) < key.num_blocks:
+                raise ValueError(f"the output for {key.name} holds fewer than its {key.num_blocks} blocks")
+        self.poll()
+        held: list[int | None] = []
+        reads: list[RecordRead | None] = []
+        for key in keys:
+            slot = self.memory.acquire(key.name) if self.memory.retain else None
+            read = None
+            if slot is None:
+                slot = self.memory.reserve(key.name)
+                if slot >= 0:
+                    read = RecordRead(key.name, key.first_block, key.num_blocks, key.block_hashes, slot, None)
+                else:
+                    slot = None
+            held.append(slot)
+            reads.append(read)
+        started = [r for r in reads if r is not None]
+        self.counters.add(loads=1, load_records=len(started))
+        done = self._loader.read(started, timeout_s or self.config.load_timeout_s) if started else resolved(None)
+        result: Future[LoadResult] = pending_future()
 
-    def save(self, keys: Sequence[ChunkKey], tensors: Sequence[torch.Tensor]) -> Future[SaveResult]:
-        """Store chunks in every configured tier that does not hold them yet.
+        def finish(_: Future[None]) -> None:
+            tiers: list[str | None] = []
+            for key, out, slot, read in zip(keys, outs, held, reads, strict=True):
+                arrived = slot is not None and (read is None or read.state is ReadState.OK)
+                if arrived:
+                    host_copy(out[: key.num_blocks], self.payload(slot, key.num_blocks))
+                    if read is None:
+                        self.memory.counters.add(hits=1, bytes_read=key.num_blocks * self.spec.block_bytes)
+                tiers.append((CpuTier.name if read is None else read.tier) if arrived else None)
+            self._parts.post(lambda _index: self._give_back(held, reads))
+            result.set_result(LoadResult(tuple(tiers)))
 
-        The tensors are copied before this returns: the caller may reuse them at once.
-        The future completes when the lower tiers (disk, redis) are written."""
-        self._check_open()
-        if len(keys) != len(tensors):
-            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
-        for tensor in tensors:
-            self.spec.check_tensor(tensor)
-        return self._writer.submit(keys, tensors)
+        done.add_done_callback(finish)
+        return result
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
-        """Pull chunks from disk/redis into the cpu tier in the background; the future
-        gives how many were fetched. A no-op without a cpu tier."""
-        self._check_open()
-        return self._loader.prefetch(keys, self.config.load_timeout_s)
+    def _give_back(self, held: Sequence[int | None], reads: Sequence[RecordRead | None]) -> None:
+        for slot, read in zip(held, reads, strict=True):
+            if slot is not None and read is None:
+                self.memory.release(slot)
+        self._settle_reads([r for r in reads if r is not None])
 
     # control -----------------------------------------------------------------------------
 
     def pin(self, keys: Sequence[ChunkKey], ttl_s: float | None = None) -> None:
-        """Never evict these chunks from the cpu and disk tiers (of this process) until
+        """Never evict these records from the cpu and disk tiers (of this process) until
         `ttl_s` passes or they are unpinned. Keys may be pinned before they are saved."""
         self.pins.pin((k.name for k in keys), ttl_s)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> int:
         return self.pins.unpin(k.name for k in keys)
 
-    def delete(self, keys: Sequence[ChunkKey], timeout_s: float = 10.0) -> int:
-        """Remove chunks from every tier; returns how many (tier, chunk) pairs existed.
-        An admin call: it blocks, and raises TimeoutError past `timeout_s`."""
-        self._check_open()
-        names = [k.name for k in keys]
-        return sum(self._runtime.call(tier.delete(names), timeout_s) for tier in self.tiers)
-
     def flush(self, tiers: Sequence[str] | None = None, timeout_s: float = 30.0) -> dict[str, int]:
-        """Drop every unpinned chunk of this model and chunk size from the given tiers
-        (default all); other models sharing a directory or Redis are left alone. An admin
-        call: it blocks, and raises TimeoutError past `timeout_s`."""
+        """Drop every unpinned record of this model, chunk size and format from the given
+        tiers (default all); other models sharing a directory or Redis are left alone. An
+        admin call: it blocks, and raises TimeoutError past `timeout_s`."""
         self._check_open()
         chosen = [t for t in self.tiers if tiers is None or t.name in tiers]
-        return {
-            t.name: self._runtime.call(t.clear(self.keyer.namespace), timeout_s) for t in chosen
-        }
+        flushed = {t.name: self._runtime.call(t.clear(self.keyer.namespace), timeout_s) for t in chosen}
+        self.poll()
+        return flushed
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every pending save is written; False on timeout."""
+        """Wait until every pending write is done; False on timeout."""
         self._check_open()
         try:
             self._runtime.call(self._writer.drain(), timeout_s)
         except TimeoutError:
             return False
+        self.poll()
         return True
 
     def stats(self) -> StoreSnapshot:
@@ -205,6 +479,7 @@ class TieredStore:
         )
 
     def health(self) -> dict[str, str]:
+        """Each tier's health state, read now."""
         return {t.name: t.health.state.value for t in self.tiers}
 
     def probe_remote(self, timeout_s: float = 5.0) -> list[str]:
@@ -213,7 +488,7 @@ class TieredStore:
         comes back by itself."""
         down = []
         for tier in self.lower:
-            if isinstance(tier, RedisTier):
+            if tier.remote:
                 try:
                     answered = self._runtime.call(tier.probe(), timeout_s)
                 except TimeoutError:
@@ -228,9 +503,7 @@ class TieredStore:
         if self._closed:
             return
         if not self.drain(timeout_s):
-            log.warning(
-                "kvstore close: pending writes did not finish in %.1fs; cancelling", timeout_s
-            )
+            log.warning("kvstore close: pending writes did not finish in %.1fs; cancelling", timeout_s)
         self._closed = True
         self._runtime.cancel_tasks(timeout_s)
         with contextlib.suppress(TimeoutError):
@@ -246,64 +519,167 @@ class TieredStore:
 
     # internals ---------------------------------------------------------------------------
 
-    def _lookup(self, keys: Sequence[ChunkKey]) -> list[str]:
-        found: list[str] = []
-        for index, key in enumerate(keys):
-            tier = self._local_tier(key)
-            if tier is None:
-                return found + self._lookup_remote(keys[index:])
-            found.append(tier)
-        return found
+    def _payload(self, slot: int, position: int, count: int) -> torch.Tensor:
+        start = self.codec.payload_offset + position * self.spec.block_bytes
+        raw = self.memory.tensor(slot)[start : start + count * self.spec.block_bytes]
+        return raw.view(self.spec.dtype).view(count, *self.spec.block_shape)
 
-    def _local_tier(self, key: ChunkKey) -> str | None:
-        for tier in self.tiers:
-            if tier.has_local(key.name):
-                return tier.name
-        return None
+    def _open_part(self, record: StoredRecord, position: int) -> LoadPart | None:
+        """Hold `record`'s cpu slot, or start reading it into a new one; None if neither."""
+        if CpuTier.name in record.tiers:
+            slot = self.memory.acquire(record.name)
+            if slot is not None:
+                return LoadPart(record.name, position, 1, slot, None)
+            self.index.discard([record.name], CpuTier.name)
+        read = self._start_read(record)
+        if read is None:
+            return None
+        return LoadPart(record.name, position, 1, read.slot, read)
 
-    def _lookup_remote(self, keys: Sequence[ChunkKey]) -> list[str]:
-        """Continue the run through tiers that need I/O to answer (redis)."""
-        remote = [t for t in self.lower if t.remote and t.health.available()]
-        answers: list[list[bool]] = []
-        for tier in remote:
+    def _start_read(self, record: StoredRecord) -> RecordRead | None:
+        candidates = tuple(t.name for t in self.lower if t.name in record.tiers)
+        if not candidates:
+            return None
+        slot = self.memory.reserve(record.name)
+        if slot in (ALREADY_PRESENT, NO_ROOM):
+            return None
+        return RecordRead(record.name, record.first_block, record.num_blocks, tuple(record.block_hashes), slot, candidates)
+
+    def _settle_reads(self, reads: Sequence[RecordRead]) -> None:
+        """Done reads: keep the records that arrived in the cpu tier (or free their slot
+        without one), give back the slots of those that did not. TIMED_OUT slots are the
+        loader's to free."""
+        keep = self.memory.retain and self.config.promote
+        for read in reads:
+            if read.state is ReadState.OK and keep:
+                self.memory.commit(read.slot)
+                self.memory.release(read.slot)
+                self.index.add(read.name, read.first_block, self._known_hashes(read), self.memory.name)
+                self.counters.add(promotions=1)
+            elif read.state is not ReadState.TIMED_OUT:
+                self.memory.abort(read.slot)
+
+    def _known_hashes(self, read: RecordRead) -> Sequence[bytes | None]:
+        record = self.index.get(read.name)
+        return record.block_hashes if record is not None else read.known_hashes
+
+    def _scan_now(self, tier: RecordTier) -> bool:
+        """Index what a listable tier holds, synchronously (at start); False for a tier
+        that cannot be listed."""
+        listable = self._runtime.call(self._discover(tier), None)
+        self.poll()
+        return listable
+
+    async def _refresh_forever(self, tiers: Sequence[RecordTier]) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            for tier in tiers:
+                try:
+                    await self._discover(tier)
+                except RuntimeError:  # executors refuse work: the interpreter is exiting
+                    return
+
+    async def _discover(self, tier: RecordTier) -> bool:
+        """Scan a listable tier: records of this store whose head verifies go to the
+        index, the others are counted on the tier and deleted, vanished ones are
+        forgotten. False if the tier cannot be listed."""
+        scan = await tier.scan()
+        if scan is None:
+            return False
+        found: list[tuple[str, int, tuple[bytes, ...]]] = []
+        bad: list[str] = []
+        for name, head in scan.found:
+            if not name.startswith(self.keyer.namespace):
+                continue  # another model, chunk size or format version: not ours to judge
             try:
-                answers.append(
-                    self._runtime.call(
-                        tier.contains([k.name for k in keys]), self.config.lookup_timeout_s
-                    )
-                )
-            except TimeoutError:
-                tier.counters.add(errors=1)
-                tier.health.record_failure(f"lookup took over {self.config.lookup_timeout_s}s")
-                answers.append([False] * len(keys))
-        found: list[str] = []
-        for index, key in enumerate(keys):
-            tier = self._local_tier(key) or next(
-                (t.name for t, a in zip(remote, answers, strict=True) if a[index]), None
-            )
-            if tier is None:
-                break
-            found.append(tier)
-        return found
+                header = parse_head(head)
+                self.codec.check_identity(header, self._parts.block_hash_of(name))
+            except (RecordError, ValueError) as exc:
+                counter = exc.counter if isinstance(exc, RecordError) else "rejected_records"
+                tier.counters.add(**{counter: 1})
+                log.warning("kvstore: bad record %s in %s tier (%s); deleting it", name, tier.name, exc)
+                bad.append(name)
+                continue
+            found.append((name, header.first_block, header.block_hashes))
+        if bad:
+            await tier.delete(bad)
+        if found or scan.gone:
+            tier_name, gone = tier.name, scan.gone
 
-    def _pool_size(self) -> int:
-        """Idle record buffers to keep: what a full write-behind queue uses, at most 256."""
-        per_record = self.codec.max_record_size
-        return max(16, min(256, self.config.max_pending_write_bytes // per_record))
+            def apply(index: BlockIndex) -> None:
+                for name, first_block, hashes in found:
+                    index.add(name, first_block, hashes, tier_name)
+                index.discard(gone, tier_name)
+
+            self._parts.post(apply)
+        return True
+
+    async def _probe(self, tiers: list[RecordTier], hashes: list[bytes], start: int, future: Future[int]) -> None:
+        found: list[tuple[bytes, int, str, int, str]] = []
+        try:
+            async with asyncio.timeout(self.config.lookup_timeout_s):
+                for tier in tiers:
+                    entries = await tier.get_index([self.keyer.name(h) for h in hashes])
+                    for offset, entry in enumerate(entries):
+                        parsed = self._parse_index_entry(entry)
+                        if parsed is not None:
+                            found.append((hashes[offset], start + offset, parsed[1], parsed[0], tier.name))
+        except TimeoutError:
+            log.warning("kvstore probe timed out after %.3fs", self.config.lookup_timeout_s)
+        except Exception:
+            self.counters.add(internal_errors=1)
+            log.exception("kvstore probe failed")
+        finally:
+            if found:
+                def learn(index: BlockIndex) -> None:
+                    for block_hash, block, name, num_blocks, tier_name in found:
+                        index.learn_block(block_hash, block, name, num_blocks, tier_name)
+
+                self._parts.post(learn)
+            self.counters.add(probe_hit_blocks=len(found))
+            future.set_result(len(found))
+
+    def _parse_index_entry(self, entry: bytes | None) -> tuple[int, str] | None:
+        """(blocks, record name) of a block index entry, None unless it is well formed."""
+        if entry is None:
+            return None
+        try:
+            count, name = entry.decode("ascii").split(" ", 1)
+            num_blocks = int(count)
+            check_key(name)
+        except (UnicodeDecodeError, ValueError, TierConfigError):
+            return None
+        if not name.startswith(self.keyer.namespace) or not 1 <= num_blocks <= self.spec.blocks_per_chunk:
+            return None
+        try:
+            self._parts.block_hash_of(name)
+        except ValueError:
+            return None
+        return num_blocks, name
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("the KV store is closed")
-
-    def _check_tiers(self) -> None:
-        names = [t.name for t in self.tiers]
-        if not names or len(set(names)) != len(names):
-            raise StoreConfigError(f"a store needs distinct tiers, got {names}")
-        if any(isinstance(t, CpuTier) for t in self.tiers[1:]):
-            raise StoreConfigError("the cpu tier must come first")
 
     async def _close_tiers(self) -> None:
         results = await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
         for tier, result in zip(self.tiers, results, strict=True):
             if isinstance(result, Exception):
                 log.debug("closing the %s tier failed: %s", tier.name, result)
+
+
+def _gather_saves(futures: list[Future[frozenset[str]]], all_tiers: frozenset[str]) -> Future[SaveResult]:
+    result: Future[SaveResult] = pending_future()
+    remaining = [len(futures)]
+
+    def one_done(_: Future[frozenset[str]]) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            stored = tuple(f.result() for f in futures)
+            result.set_result(SaveResult(stored, all(all_tiers <= s for s in stored)))
+
+    if not futures:
+        result.set_result(SaveResult((), True))
+    for future in futures:
+        future.add_done_callback(one_done)
+    return result

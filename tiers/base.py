@@ -1,13 +1,19 @@
 """The interface every tier implements.
 
-Keys are opaque strings of `[0-9A-Za-z._-]` (the store derives them from chunk keys).
-Two families:
+Keys are opaque strings of `[0-9A-Za-z._-]` (the store derives them from record keys).
 
-- `CpuTier` holds raw chunk payloads in preallocated memory slots and is used
-  synchronously (copies in and out are memcpy-fast and thread-safe).
+- `Tier`: membership, deletion, capacity, usage, stats, health, and `take_removed` (the
+  names the tier stopped holding since the last call: evictions, deletions, files found
+  gone), which is how the store's in-memory index follows the tier without asking it.
 - `RecordTier` (disk, redis) stores self-describing encoded records; its data methods
   are coroutines run on the store's I/O loop. They never raise on I/O failure: a failed
   get is a None, a failed put is False, and the failure is counted and fed to `health`.
+  A record tier may also list what it holds (`scan`, for a directory) and keep a block
+  index next to the records (`put(..., blocks=...)`, `get_index`, for a shared tier that
+  other processes write to and that cannot be listed cheaply).
+
+The cpu tier (tiers.cpu) is the store's host memory: its slots are where every load
+lands and every save starts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from tiers.errors import TierConfigError
 from tiers.health import HealthMonitor
@@ -23,6 +30,7 @@ from tiers.stats import TierCounters, TierSnapshot
 
 Buffer = bytes | bytearray | memoryview
 Worker = tuple[str, Callable[[], Awaitable[None]]]
+IndexEntry = tuple[str, bytes]  # (block name, what the tier keeps for it)
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z._-]{1,200}$")
 
@@ -33,11 +41,20 @@ def check_key(key: str) -> str:
     return key
 
 
+@dataclass
+class Scan:
+    """What a listable tier found since its previous scan: new records with their first
+    bytes (enough for the store to parse their header), and names that are gone."""
+
+    found: list[tuple[str, bytes]] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+
+
 class Tier(ABC):
     """Common surface: membership, deletion, capacity, usage, stats, health."""
 
     name: str = "tier"
-    remote: bool = False  # membership needs I/O (has_local answers None)
+    remote: bool = False  # shared with other processes and not listable: keeps a block index
 
     def __init__(self, pins: PinTable | None = None) -> None:
         self.pins = pins if pins is not None else PinTable()
@@ -67,13 +84,18 @@ class Tier(ABC):
     async def clear(self, prefix: str = "") -> int:
         """Remove every unpinned key that starts with `prefix`; returns how many."""
 
-    def has_local(self, key: str) -> bool | None:
-        """Membership from in-process state without I/O; None if only I/O can tell."""
-        return None
+    def take_removed(self) -> list[str]:
+        """Names this tier stopped holding since the last call (thread-safe)."""
+        return []
 
     def workers(self) -> Sequence[Worker]:
         """Long-running coroutines (name, factory) the store runs and supervises."""
         return ()
+
+    async def probe(self) -> bool:
+        """Ask the tier's server whether it answers now (its health follows the answer);
+        a tier without a server answers True."""
+        return True
 
     async def aclose(self) -> None:
         """Release connections and file handles; the tier is unusable afterwards."""
@@ -100,15 +122,29 @@ class RecordTier(Tier):
 
     @abstractmethod
     async def get(
-        self, keys: Sequence[str], into: Sequence[bytearray] | None = None
+        self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         """The record of each key, or None (absent, unreadable, tier unavailable).
 
-        `into` offers one reusable buffer per key; a tier may read the record into it
-        (and return a view of it) instead of allocating. A record longer than its buffer
-        is cut to the buffer's size, which the decoder then rejects."""
+        With `into` (one buffer per key) the record is placed at the start of its buffer
+        and the result is a view of those bytes; a record longer than its buffer is cut
+        to the buffer's size, which the decoder then rejects. Once `get` returns, nothing
+        writes into the buffers any more."""
 
     @abstractmethod
-    async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    async def put(
+        self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
+    ) -> list[bool]:
         """Store records; True where the tier holds the key afterwards. Records are
-        content addressed, so a key the tier already holds is left as it is."""
+        content addressed, so a key the tier already holds is left as it is. `blocks`
+        gives, per record, the block index entries naming it; a tier without a block
+        index ignores them."""
+
+    async def scan(self) -> Scan | None:
+        """Records found and gone since the previous scan (the first scan lists every
+        record), or None for a tier that cannot be listed."""
+        return None
+
+    async def get_index(self, names: Sequence[str]) -> list[bytes | None]:
+        """The block index entry of each block name, None where there is none."""
+        return [None] * len(names)

@@ -1,22 +1,25 @@
-"""CPU memory tier: a preallocated slab of fixed-size chunk slots.
+"""Host memory of the store: one slab of fixed-size record slots; with `retain` (the
+cpu tier) the committed slots are kept, in LRU order within the byte budget.
 
-The slab is one tensor `[num_slots, *slot_shape]` allocated at construction (pinned when
-CUDA exists, so device copies can be asynchronous). A slot's tensor view and byte view
-are made on its first use and kept, so once the tier is warm, storing or fetching a
-chunk allocates nothing: it is one locked index update and one memcpy outside the lock.
+The slab is allocated once (pinned when CUDA exists, so device copies can be
+asynchronous; cupy's pinned allocator when installed, because torch's caching host
+allocator rounds a request up to a power of two). A slot holds one record in wire
+layout (kvstore.record: header, payload, room for the MAC); the store decides the
+layout, this module only hands out slots and counts references.
 
-Slot life cycle: `reserve` (writer holds it) -> `commit` (visible, in LRU order) ->
-evicted or deleted. Readers `acquire`/`release` a reference; a referenced, reserved or
-pinned slot is never evicted, and a deleted slot that still has readers is freed by the
-last `release`.
+Slot life cycle: `reserve(name)` (the reserver holds a reference; the slot is not
+visible) -> `commit` (visible to `acquire`, kept in LRU order when retaining) ->
+`release` by every holder. A slot is freed when nobody holds it and it is not retained
+(never committed, aborted, evicted, removed, or committed without `retain`). A held,
+reserved or pinned slot is never evicted. Every method takes one short lock and does no
+I/O; `take_removed` reports the names the tier no longer holds (evicted or removed).
 """
 
 from __future__ import annotations
 
-import math
 import threading
-import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +30,29 @@ from tiers.pins import PinTable
 
 ALREADY_PRESENT = -1
 NO_ROOM = -2
+SLOT_ALIGN = 64
+
+
+def allocate_host(nbytes: int, pin: bool | None = None) -> tuple[torch.Tensor, str]:
+    """A uint8 host tensor of `nbytes` and how it was allocated ("cupy", "torch", "plain").
+    Pinned by default when CUDA exists."""
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if not pin:
+        return torch.empty(nbytes, dtype=torch.uint8), "plain"
+    try:
+        import cupy
+    except ImportError:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "torch"
+    return _cupy_pinned(cupy, nbytes), "cupy"
+
+
+def _cupy_pinned(cupy: Any, nbytes: int) -> torch.Tensor:
+    import numpy as np
+
+    memory = cupy.cuda.alloc_pinned_memory(nbytes)
+    # numpy keeps `memory` alive through the array's base, torch through the array.
+    return torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=nbytes))
 
 
 class CpuTier(Tier):
@@ -35,57 +61,78 @@ class CpuTier(Tier):
     def __init__(
         self,
         capacity_bytes: int,
-        slot_shape: Sequence[int],
-        dtype: torch.dtype,
+        slot_bytes: int,
         pins: PinTable | None = None,
         pin_memory: bool | None = None,
+        retain: bool = True,
     ) -> None:
         super().__init__(pins)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.slot_bytes = math.prod(slot_shape) * itemsize
+        self.slot_bytes = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise TierConfigError(
-                f"cpu tier of {capacity_bytes} bytes cannot hold one {self.slot_bytes}-byte chunk"
+                f"cpu tier of {capacity_bytes} bytes cannot hold one {slot_bytes}-byte record"
             )
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self._slab = torch.empty((self.num_slots, *slot_shape), dtype=dtype, pin_memory=pin_memory)
-        self._rows = self._slab.view(torch.uint8).reshape(self.num_slots, self.slot_bytes).numpy()
-        self._views: list[torch.Tensor | None] = [None] * self.num_slots
+        self.retain = retain
+        self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory)
+        self._rows = self.slab.numpy().reshape(self.num_slots, self.slot_bytes)
         self._buffers: list[memoryview | None] = [None] * self.num_slots
         self._lock = threading.Lock()
-        self._index: LruIndex[int] = LruIndex()
-        self._pending: dict[str, int] = {}
+        self._index: LruIndex[int] = LruIndex()  # committed and retained: name -> slot
+        self._visible: dict[str, int] = {}  # committed, not retained, still held
+        self._reserved: dict[str, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._refs = [0] * self.num_slots
-        self._slot_key: list[str | None] = [None] * self.num_slots
+        self._slot_name: list[str | None] = [None] * self.num_slots
+        self._removed: list[str] = []
+
+    def touch_pages(self, nbytes: int) -> None:
+        """Write the pages of the slots handed out first (up to `nbytes`) now: a first
+        touch on the data path costs a page fault per 4 KiB (a cold 19 MiB load took
+        13-180 ms instead of 1 ms). The others are touched by their first use."""
+        self.slab[: min(nbytes, self.slab.numel())].zero_()
+
+    # ---- Tier -----------------------------------------------------------------------------
 
     @property
     def capacity_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+        return self.num_slots * self.slot_bytes if self.retain else 0
 
     @property
     def usage_bytes(self) -> int:
-        return (self.num_slots - len(self._free)) * self.slot_bytes
+        return len(self._index) * self.slot_bytes
 
     @property
     def entries(self) -> int:
         return len(self._index)
 
-    def has_local(self, key: str) -> bool:
+    @property
+    def slots_in_use(self) -> int:
+        """Slots held by someone (reserved, being read or written); 0 when idle."""
         with self._lock:
-            return key in self._index
+            return sum(1 for refs in self._refs if refs)
+
+    def has(self, name: str) -> bool:
+        with self._lock:
+            return name in self._index
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self.has_local(key) for key in keys]
+        return [self.has(key) for key in keys]
 
-    def view(self, slot: int) -> torch.Tensor:
-        """The slot as a tensor of the chunk's shape and dtype."""
-        view = self._views[slot]
-        if view is None:
-            view = self._views[slot] = self._slab[slot]
-        return view
+    async def delete(self, keys: Sequence[str]) -> int:
+        return self.remove(keys)
+
+    async def clear(self, prefix: str = "") -> int:
+        with self._lock:
+            keys = [key for key in self._index if key.startswith(prefix)]
+        return self.remove(keys, only_unpinned=True)
+
+    def take_removed(self) -> list[str]:
+        with self._lock:
+            removed, self._removed = self._removed, []
+        return removed
+
+    # ---- slots ----------------------------------------------------------------------------
 
     def buffer(self, slot: int) -> memoryview:
         """The slot as a writable flat byte buffer."""
@@ -94,85 +141,65 @@ class CpuTier(Tier):
             buffer = self._buffers[slot] = memoryview(self._rows[slot])
         return buffer
 
-    def reserve(self, key: str) -> int:
-        """A slot for writing `key`, evicting the LRU unpinned chunk if needed.
+    def tensor(self, slot: int) -> torch.Tensor:
+        """The slot as a uint8 tensor (views of it share the slab's memory)."""
+        start = slot * self.slot_bytes
+        return self.slab[start : start + self.slot_bytes]
 
-        Returns ALREADY_PRESENT if the key is stored or being written, NO_ROOM if every
-        slot is pinned, referenced or reserved."""
+    def reserve(self, name: str) -> int:
+        """A free slot for writing `name`, evicting the least recently used unheld,
+        unpinned record if needed. ALREADY_PRESENT if `name` is committed or being
+        written, NO_ROOM if every slot is held, reserved or pinned."""
         with self._lock:
-            if key in self._index or key in self._pending:
+            if name in self._index or name in self._reserved or name in self._visible:
                 return ALREADY_PRESENT
             slot = self._free.pop() if self._free else self._evict_one_locked()
             if slot is None:
                 self.counters.add(put_rejected=1)
                 return NO_ROOM
-            self._pending[key] = slot
-            self._slot_key[slot] = key
+            self._reserved[name] = slot
+            self._slot_name[slot] = name
             self._refs[slot] = 1
             return slot
 
     def commit(self, slot: int) -> None:
-        """Make a reserved slot visible to readers."""
+        """Make a reserved slot visible; the reserver still holds it until `release`."""
         with self._lock:
-            key = self._slot_key[slot]
-            del self._pending[key]
-            self._index.add(key, slot)
-            self._refs[slot] -= 1
-        self.counters.add(puts=1, bytes_written=self.slot_bytes)
+            name = self._slot_name[slot]
+            del self._reserved[name]
+            if self.retain:
+                self._index.add(name, slot)
+            else:
+                self._visible[name] = slot
+        if self.retain:
+            self.counters.add(puts=1, bytes_written=self.slot_bytes)
 
     def abort(self, slot: int) -> None:
-        """Give back a reserved slot without publishing it."""
+        """Give a reserved slot back without publishing it (the reserver's reference)."""
         with self._lock:
-            self._pending.pop(self._slot_key[slot], None)
-            self._slot_key[slot] = None
-            self._refs[slot] -= 1
-            if self._refs[slot] == 0:
-                self._free.append(slot)
+            self._reserved.pop(self._slot_name[slot], None)
+            self._slot_name[slot] = None
+            self._unref_locked(slot)
 
-    def acquire(self, key: str) -> int | None:
-        """Take a reference on `key`'s slot (it cannot be evicted until `release`)."""
+    def acquire(self, name: str) -> int | None:
+        """Hold `name`'s committed slot (it is not evicted until `release`); a hit makes it
+        the most recently used."""
         with self._lock:
-            slot = self._index.get(key)
+            slot = self._index.get(name)
+            if slot is None:
+                slot = self._visible.get(name)
             if slot is not None:
                 self._refs[slot] += 1
             return slot
 
+    def hold(self, slot: int) -> None:
+        """Take one more reference on a slot the caller already holds."""
+        with self._lock:
+            self._refs[slot] += 1
+
     def release(self, slot: int) -> None:
         with self._lock:
-            self._refs[slot] -= 1
-            if self._refs[slot] == 0 and self._slot_key[slot] is None:
-                self._free.append(slot)
-
-    def put_from(self, key: str, src: torch.Tensor) -> bool:
-        """Copy `src` (chunk shape and dtype) in; True if the tier holds `key` afterwards."""
-        slot = self.reserve(key)
-        if slot == ALREADY_PRESENT:
-            return True
-        if slot == NO_ROOM:
-            return False
-        start = time.perf_counter()
-        try:
-            self.view(slot).copy_(src)
-        except BaseException:
-            self.abort(slot)
-            raise
-        self.commit(slot)
-        self.counters.observe_put(time.perf_counter() - start)
-        return True
-
-    def get_into(self, key: str, out: torch.Tensor) -> bool:
-        """Copy `key`'s chunk into `out`; False if absent."""
-        slot = self.acquire(key)
-        if slot is None:
-            return False
-        start = time.perf_counter()
-        try:
-            out.copy_(self.view(slot))
-        finally:
-            self.release(slot)
-        self.counters.add(bytes_read=self.slot_bytes)
-        self.counters.observe_get(time.perf_counter() - start)
-        return True
+            self._unref_locked(slot)
 
     def remove(self, keys: Sequence[str], only_unpinned: bool = False) -> int:
         removed = 0
@@ -184,19 +211,27 @@ class CpuTier(Tier):
                 if slot is None:
                     continue
                 removed += 1
-                self._slot_key[slot] = None
-                if self._refs[slot] == 0:
-                    self._free.append(slot)
+                self._forget_locked(slot)
+                self._removed.append(key)
         self.counters.add(deletes=removed)
         return removed
 
-    async def delete(self, keys: Sequence[str]) -> int:
-        return self.remove(keys)
+    def _unref_locked(self, slot: int) -> None:
+        self._refs[slot] -= 1
+        if self._refs[slot]:
+            return
+        name = self._slot_name[slot]
+        if name is not None and self._visible.get(name) == slot:
+            del self._visible[name]
+            self._slot_name[slot] = None
+        if self._slot_name[slot] is None:
+            self._free.append(slot)
 
-    async def clear(self, prefix: str = "") -> int:
-        with self._lock:
-            keys = [key for key in self._index if key.startswith(prefix)]
-        return self.remove(keys, only_unpinned=True)
+    def _forget_locked(self, slot: int) -> None:
+        """A retained slot leaves the index; it is freed now or by its last release."""
+        self._slot_name[slot] = None
+        if self._refs[slot] == 0:
+            self._free.append(slot)
 
     def _evict_one_locked(self) -> int | None:
         victim = self._index.victim(
@@ -205,6 +240,7 @@ class CpuTier(Tier):
         if victim is None:
             return None
         slot = self._index.pop(victim)
-        self._slot_key[slot] = None
+        self._slot_name[slot] = None
+        self._removed.append(victim)
         self.counters.add(evictions=1)
         return slot

@@ -9,9 +9,19 @@ or written by at most `io_jobs` executor jobs (aiofiles.os.wrap), each handling 
 of records, with at most `io_jobs` jobs in flight per tier.
 
 The in-memory index (key -> size, LRU order) is rebuilt from the directory at start
-(oldest mtime first), so a restart keeps the cache; temporary files left by dead
-processes, or older than `stale_tmp_s`, are removed then. Keys written by another
-process after our start are adopted into the index when first looked up.
+(oldest mtime first), reading the first `head_bytes` of every record so that the store
+can index its blocks; temporary files left by dead processes, or older than
+`stale_tmp_s`, are removed then. `scan()` hands the store what the rebuild found, then,
+on each later call, what changed: it rescans only the shard directories whose mtime
+changed (another process wrote or removed a file there) and reports new and vanished
+records. Membership (`holds`) is answered from memory, never with a stat().
+
+Space: the byte budget is `capacity_bytes` or, when less, what the tier holds plus the
+free space of the filesystem (statvfs, re-read at most every SPACE_CHECK_S), so the
+effective budget follows the free space. A write that fails with ENOSPC evicts the
+least recently used records to the budget measured again and is retried once; a full
+filesystem is a lack of room (put_rejected), not a failure, so the tier stays healthy
+and writes resume by themselves when space comes back.
 
 fsync policy: "none" (rename only: atomic for readers, may lose recent records on power
 loss; checksums then turn a damaged record into a miss), "file" (fsync the record before
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
 import os
 import secrets
@@ -33,7 +44,7 @@ from pathlib import Path
 
 import aiofiles.os
 
-from tiers.base import Buffer, RecordTier, check_key
+from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key
 from tiers.errors import TierConfigError
 from tiers.lru import LruIndex
 from tiers.pins import PinTable
@@ -41,6 +52,9 @@ from tiers.pins import PinTable
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 FSYNC_POLICIES = ("none", "file", "full")
+SPACE_CHECK_S = 0.5
+SPACE_HEADROOM_BLOCKS = 4  # filesystem blocks left free: directory entries, rounding
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DiskTier(RecordTier):
@@ -52,8 +66,9 @@ class DiskTier(RecordTier):
         capacity_bytes: int,
         pins: PinTable | None = None,
         fsync: str = "none",
-        io_jobs: int = 4,
+        io_jobs: int = 8,
         stale_tmp_s: float = 600.0,
+        head_bytes: int = 0,
     ) -> None:
         super().__init__(pins)
         if fsync not in FSYNC_POLICIES:
@@ -68,12 +83,19 @@ class DiskTier(RecordTier):
         except OSError as exc:
             raise TierConfigError(f"cannot create disk tier directory {self.root}: {exc}") from exc
         self.fsync = fsync
+        self.head_bytes = head_bytes
         self._capacity = capacity_bytes
         self._stale_tmp_s = stale_tmp_s
         self._lock = threading.Lock()
         self._index: LruIndex[int] = LruIndex()
+        self._shards: dict[str, set[str]] = {}  # shard directory -> record names in it
+        self._shard_mtimes: dict[str, int] = {}
         self._usage = 0
         self._reserved = 0
+        self._space_limit = capacity_bytes
+        self._space_at = -float("inf")
+        self._removed: list[str] = []
+        self._unscanned = Scan()
         self._jobs = io_jobs
         self._io_slots = asyncio.Semaphore(io_jobs)
         self.removed_tmp_files = 0
@@ -81,7 +103,8 @@ class DiskTier(RecordTier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The effective budget: the configured size, or less when the filesystem is fuller."""
+        return min(self._capacity, self._space_limit)
 
     @property
     def usage_bytes(self) -> int:
@@ -95,35 +118,53 @@ class DiskTier(RecordTier):
         return self.root / key[-2:] / f"{key}{SUFFIX}"
 
     def rebuild(self) -> None:
-        """Index every record in the directory (oldest first) and drop stale temp files."""
-        found: list[tuple[float, str, int]] = []
-        for entry in self._scan():
-            if entry.name.endswith(TMP_SUFFIX):
-                self._remove_if_stale(entry)
-            elif entry.name.endswith(SUFFIX):
-                info = entry.stat()
-                found.append((info.st_mtime, entry.name[: -len(SUFFIX)], info.st_size))
+        """Index every record in the directory (oldest first), read its head, and drop
+        stale temp files; the next `scan` reports every record found."""
+        found: list[tuple[float, str, int, bytes]] = []
+        mtimes: dict[str, int] = {}
+        for shard in self._shard_dirs():
+            mtimes[shard.name] = _mtime(shard)
+            for entry in _files(shard.path):
+                if entry.name.endswith(TMP_SUFFIX):
+                    self._remove_if_stale(entry)
+                elif entry.name.endswith(SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        info = entry.stat()
+                        key = entry.name[: -len(SUFFIX)]
+                        found.append((info.st_mtime, key, info.st_size, self._read_head(entry.path)))
         found.sort()
         with self._lock:
             self._index = LruIndex()
+            self._shards = {}
             self._usage = 0
-            for _, key, size in found:
-                self._index.add(key, size)
-                self._usage += size
-        for victim in self._claim_room(0) or ():
+            for _, key, size, _ in found:
+                self._add_locked(key, size)
+            self._shard_mtimes = mtimes
+        victims = set(self._claim_room(0) or ())
+        for victim in victims:
             _unlink_quietly(self.path(victim))
+        self.take_removed()  # never reported as found
+        self._unscanned = Scan(found=[(key, head) for _, key, _, head in found if key not in victims])
 
-    def has_local(self, key: str) -> bool:
+    def holds(self, key: str) -> bool:
         with self._lock:
-            if key in self._index:
-                return True
-        return self._adopt(key)
+            return key in self._index
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self.has_local(key) for key in keys]
+        return [self.holds(key) for key in keys]
+
+    def take_removed(self) -> list[str]:
+        with self._lock:
+            removed, self._removed = self._removed, []
+        return removed
+
+    async def scan(self) -> Scan:
+        first, self._unscanned = self._unscanned, Scan()
+        later = await asyncio.to_thread(self._rescan)
+        return Scan(first.found + later.found, first.gone + later.gone)
 
     async def get(
-        self, keys: Sequence[str], into: Sequence[bytearray] | None = None
+        self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         start = time.perf_counter()
         jobs = [(self.path(key), into[i] if into else None) for i, key in enumerate(keys)]
@@ -137,29 +178,25 @@ class DiskTier(RecordTier):
         self.counters.observe_get(time.perf_counter() - start)
         return records
 
-    async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    async def put(
+        self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
+    ) -> list[bool]:
         stored = [False] * len(items)
         todo: list[tuple[int, str, Buffer, int]] = []
         for index, (key, data) in enumerate(items):
             check_key(key)
-            if self.has_local(key):
+            if self.holds(key):
                 stored[index] = True
-            elif self._admit(key, data):
+            elif self._admit(memoryview(data).nbytes):
                 todo.append((index, key, data, memoryview(data).nbytes))
-        if not todo:
-            return stored
         start = time.perf_counter()
-        try:
-            outcomes = await asyncio.gather(
-                *(self._write_group(group) for group in _split(todo, self._jobs))
-            )
-        except BaseException:
-            for *_, size in todo:
-                self._release_room(size)
-            raise
-        for (index, key, _, size), error in zip(todo, chain.from_iterable(outcomes), strict=True):
-            stored[index] = self._account_write(key, size, error)
-        self.counters.observe_put(time.perf_counter() - start)
+        full = await self._write(todo, stored)
+        if full:  # ENOSPC: measure the free space again, make room by evicting, retry once
+            self._space_at = -float("inf")
+            retry = [item for item in full if self._admit(item[3])]
+            self.counters.add(put_rejected=len(await self._write(retry, stored)))
+        if todo:
+            self.counters.observe_put(time.perf_counter() - start)
         return stored
 
     async def delete(self, keys: Sequence[str]) -> int:
@@ -171,37 +208,41 @@ class DiskTier(RecordTier):
         return removed
 
     async def clear(self, prefix: str = "") -> int:
-        names = [e.name[: -len(SUFFIX)] for e in self._scan() if e.name.endswith(SUFFIX)]
+        names = await asyncio.to_thread(self._list_names)
         doomed = [k for k in names if k.startswith(prefix) and not self.pins.is_pinned(k)]
         return await self.delete(doomed)
 
-    async def _read_group(
-        self, jobs: list[tuple[Path, bytearray | None]]
-    ) -> list[Buffer | OSError]:
-        async with self._io_slots:
-            return await _read_files(jobs)
+    # ---- writes -----------------------------------------------------------------------------
 
-    async def _write_group(self, group: list[tuple[int, str, Buffer, int]]) -> list[OSError | None]:
-        async with self._io_slots:
-            return await _write_files(
-                [(self.path(key), data) for _, key, data, _ in group], self.fsync
+    async def _write(
+        self, todo: list[tuple[int, str, Buffer, int]], stored: list[bool]
+    ) -> list[tuple[int, str, Buffer, int]]:
+        """Write `todo`, marking `stored`; returns the items that failed for lack of space
+        (their room is released)."""
+        if not todo:
+            return []
+        try:
+            outcomes = await asyncio.gather(
+                *(self._write_group(group) for group in _split(todo, self._jobs))
             )
+        except BaseException:
+            for *_, size in todo:
+                self._release_room(size)
+            raise
+        full = []
+        for item, error in zip(todo, chain.from_iterable(outcomes), strict=True):
+            index, key, _, size = item
+            if error is not None and error.errno in _FULL:
+                self._release_room(size)
+                full.append(item)
+            else:
+                stored[index] = self._account_write(key, size, error)
+        return full
 
-    def _account_read(self, key: str, outcome: Buffer | OSError) -> Buffer | None:
-        if isinstance(outcome, FileNotFoundError):
-            self._forget(key)
-            return None
-        if isinstance(outcome, OSError):
-            self.counters.add(errors=1)
-            self.health.record_failure(outcome)
-            return None
-        self._touch(key, memoryview(outcome).nbytes)
-        self.counters.add(bytes_read=memoryview(outcome).nbytes)
-        return outcome
-
-    def _admit(self, key: str, data: Buffer) -> bool:
-        """Make room for a new record (evicting LRU files); False if it cannot go in."""
-        victims = self._claim_room(memoryview(data).nbytes) if self.health.available() else None
+    def _admit(self, size: int) -> bool:
+        """Make room for a new record of `size` bytes (evicting LRU files); False if it
+        cannot go in."""
+        victims = self._claim_room(size) if self.health.available() else None
         if victims is None:
             self.counters.add(put_rejected=1)
             return False
@@ -221,22 +262,38 @@ class DiskTier(RecordTier):
         return True
 
     def _claim_room(self, size: int) -> list[str] | None:
-        """Reserve `size` bytes, choosing LRU unpinned victims; None if impossible."""
+        """Reserve `size` bytes within the effective budget, choosing LRU unpinned
+        victims; None if impossible."""
+        budget = self._budget()
         victims: list[tuple[str, int]] = []
         with self._lock:
-            while self._usage + self._reserved + size > self._capacity:
+            while self._usage + self._reserved + size > budget:
                 victim = self._index.victim(lambda key, _: not self.pins.is_pinned(key))
                 if victim is None:
                     for key, victim_size in reversed(victims):  # nothing is unlinked yet
-                        self._index.add_oldest(key, victim_size)
-                        self._usage += victim_size
+                        self._add_locked(key, victim_size, oldest=True)
                     return None
-                victim_size = self._index.pop(victim)
-                self._usage -= victim_size
-                victims.append((victim, victim_size))
+                victims.append((victim, self._pop_locked(victim)))
             self._reserved += size
+            self._removed.extend(key for key, _ in victims)
         self.counters.add(evictions=len(victims))
         return [key for key, _ in victims]
+
+    def _budget(self) -> int:
+        """min(configured size, held + free - headroom), free space re-read at most
+        every SPACE_CHECK_S."""
+        now = time.monotonic()
+        if now - self._space_at >= SPACE_CHECK_S:
+            try:
+                info = os.statvfs(self.root)
+            except OSError:
+                return self._capacity
+            with self._lock:
+                held = self._usage + self._reserved
+            headroom = SPACE_HEADROOM_BLOCKS * info.f_frsize
+            self._space_limit = max(0, held + info.f_bavail * info.f_frsize - headroom)
+            self._space_at = now
+        return self.capacity_bytes
 
     def _release_room(self, size: int) -> None:
         with self._lock:
@@ -245,27 +302,111 @@ class DiskTier(RecordTier):
     def _publish(self, key: str, size: int) -> None:
         with self._lock:
             self._reserved -= size
-            self._usage += size - (self._index.pop(key) or 0)
-            self._index.add(key, size)
+            self._pop_locked(key)
+            self._add_locked(key, size)
 
-    def _touch(self, key: str, size: int) -> None:
+    # ---- reads and the index ----------------------------------------------------------------
+
+    def _account_read(self, key: str, outcome: Buffer | OSError) -> Buffer | None:
+        if isinstance(outcome, FileNotFoundError):
+            self._forget(key)
+            return None
+        if isinstance(outcome, OSError):
+            self.counters.add(errors=1)
+            self.health.record_failure(outcome)
+            return None
+        size = memoryview(outcome).nbytes
         with self._lock:
-            if self._index.get(key) is None:
-                self._index.add(key, size)
-                self._usage += size
+            if key in self._index:
+                self._index.get(key)  # a hit: most recently used
+        self.counters.add(bytes_read=size)
+        return outcome
+
+    def _add_locked(self, key: str, size: int, oldest: bool = False) -> None:
+        if oldest:
+            self._index.add_oldest(key, size)
+        else:
+            self._index.add(key, size)
+        self._usage += size
+        self._shards.setdefault(key[-2:], set()).add(key)
+
+    def _pop_locked(self, key: str) -> int:
+        size = self._index.pop(key) or 0
+        self._usage -= size
+        names = self._shards.get(key[-2:])
+        if names is not None:
+            names.discard(key)
+        return size
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            self._usage -= self._index.pop(key) or 0
+            if key in self._index:
+                self._pop_locked(key)
+                self._removed.append(key)
 
-    def _adopt(self, key: str) -> bool:
-        """Index a record another process wrote after our start, if it exists."""
+    def _rescan(self) -> Scan:
+        """New and vanished records in the shard directories whose mtime changed."""
+        scan = Scan()
+        for shard in self._shard_dirs():
+            mtime = _mtime(shard)
+            if self._shard_mtimes.get(shard.name) == mtime:
+                continue
+            self._shard_mtimes[shard.name] = mtime
+            present = {
+                e.name[: -len(SUFFIX)] for e in _files(shard.path) if e.name.endswith(SUFFIX)
+            }
+            with self._lock:
+                known = set(self._shards.get(shard.name, ()))
+            for key in present - known:
+                found = self._adopt(key)
+                if found is not None:
+                    scan.found.append((key, found))
+            for key in known - present:
+                self._forget(key)
+                scan.gone.append(key)
+        return scan
+
+    def _adopt(self, key: str) -> bytes | None:
+        """Index a record another process wrote; its head, or None if it vanished."""
+        path = self.path(key)
         try:
-            size = self.path(key).stat().st_size
+            size = path.stat().st_size
         except OSError:
-            return False
-        self._touch(key, size)
-        return True
+            return None
+        head = self._read_head(str(path))
+        with self._lock:
+            if key not in self._index:
+                self._add_locked(key, size)
+        return head
+
+    def _read_head(self, path: str) -> bytes:
+        if not self.head_bytes:
+            return b""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return f.read(self.head_bytes)
+        except OSError:
+            return b""
+
+    def _list_names(self) -> list[str]:
+        return [
+            e.name[: -len(SUFFIX)]
+            for shard in self._shard_dirs()
+            for e in _files(shard.path)
+            if e.name.endswith(SUFFIX)
+        ]
+
+    async def _read_group(
+        self, jobs: list[tuple[Path, memoryview | None]]
+    ) -> list[Buffer | OSError]:
+        async with self._io_slots:
+            return await _read_files(jobs)
+
+    async def _write_group(self, group: list[tuple[int, str, Buffer, int]]) -> list[OSError | None]:
+        async with self._io_slots:
+            return await _write_files(
+                [(self.path(key), data) for _, key, data, _ in group], self.fsync
+            )
 
     async def _remove(self, path: Path) -> int:
         try:
@@ -278,13 +419,9 @@ class DiskTier(RecordTier):
             return 0
         return 1
 
-    def _scan(self) -> Iterator[os.DirEntry[str]]:
+    def _shard_dirs(self) -> Iterator[os.DirEntry[str]]:
         with os.scandir(self.root) as shards:
-            for shard in shards:
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                with contextlib.suppress(FileNotFoundError), os.scandir(shard.path) as files:
-                    yield from (f for f in files if f.is_file(follow_symlinks=False))
+            yield from (s for s in shards if s.is_dir(follow_symlinks=False))
 
     def _remove_if_stale(self, entry: os.DirEntry[str]) -> None:
         parts = entry.name.split(".")
@@ -298,6 +435,21 @@ class DiskTier(RecordTier):
             self.removed_tmp_files += 1
 
 
+def _files(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as entries:
+            return [e for e in entries if e.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _mtime(entry: os.DirEntry[str]) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
 def _unlink_quietly(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -309,24 +461,22 @@ def _split(items: list, parts: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _read_files_sync(jobs: list[tuple[Path, bytearray | None]]) -> list[Buffer | OSError]:
+def _read_files_sync(jobs: list[tuple[Path, memoryview | None]]) -> list[Buffer | OSError]:
     outcomes: list[Buffer | OSError] = []
     for path, buffer in jobs:
         try:
             with open(path, "rb", buffering=0) as f:
-                outcomes.append(
-                    f.read() if buffer is None else memoryview(buffer)[: _fill(f, buffer)]
-                )
+                outcomes.append(f.read() if buffer is None else buffer[: _fill(f, buffer)])
         except OSError as exc:
             outcomes.append(exc)
     return outcomes
 
 
-def _fill(f: io.RawIOBase, buffer: bytearray) -> int:
+def _fill(f: io.RawIOBase, buffer: memoryview) -> int:
     """Read into `buffer` until it is full or the file ends; returns the bytes read."""
-    view, total = memoryview(buffer), 0
-    while total < len(buffer):
-        count = f.readinto(view[total:])
+    total = 0
+    while total < buffer.nbytes:
+        count = f.readinto(buffer[total:])
         if not count:
             break
         total += count

@@ -1,10 +1,11 @@
-"""Health of a tier, with exponential backoff that lets it recover by itself.
+"""Health of a tier, with exponential backoff that keeps failing I/O off the hot path.
 
 After a failure the tier is UNHEALTHY and `available()` says no until a backoff delay
 has passed; then one operation is let through as a probe. Success makes the tier
 HEALTHY again; another failure doubles the delay (up to a cap). A dead Redis therefore
-costs no network round trip on the hot path, and nobody has to reset anything when it
-comes back.
+costs no network round trip on the hot path. Recovery does not wait for the backoff: a
+tier with a background probe (Redis) asks at a short period while unhealthy and records
+the success as soon as it gets an answer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class HealthMonitor:
         self._retry_at = 0.0
         self.state = Health.HEALTHY
         self.last_error: str | None = None
+
+    @property
+    def backoff_s(self) -> float:
+        """The delay before the hot path tries the tier again after its last failure."""
+        with self._lock:
+            return self._backoff
 
     def available(self) -> bool:
         """True when healthy, or when the backoff has passed and a probe may go out."""

@@ -1,22 +1,32 @@
 """Redis tier: records in a standalone Redis or a Redis Cluster, shared by instances.
 
 Batches go out as one non-transactional pipeline (GET/SET/EXISTS per key), which also
-works across cluster slots. The pipeline runs on redis-py's blocking client in an I/O
+works across cluster slots. Records read into caller buffers (the store's slots) come
+through tiers.resp on a standalone Redis: received straight into the buffer. The pipeline runs on redis-py's blocking client in an I/O
 thread (one executor job per batch): its socket path sends big values with sendall and
 no copy, where the asyncio client joins a whole pipeline into one buffer and copies it
 again into the transport (measured about 3x slower for 1 MiB values on loopback).
 Every operation is bounded by `op_timeout_s` (socket timeout and await timeout);
 redis-py's own retries are off so that the bound holds. A failure marks the tier unhealthy and
 later operations return misses without touching the network until the backoff passes
-(see tiers.health); a background probe pings the server so the tier recovers by itself
-when Redis comes back, even without traffic. Capacity and usage are read from
-`INFO memory` (maxmemory, used_memory) by the same probe; evictions are Redis's own
-business (configure `maxmemory-policy allkeys-lru`).
+(see tiers.health). A background probe (PING and INFO memory) runs every
+`probe_interval_s` while the tier is healthy and every RECOVERY_PROBE_S (at most) while it
+is not, whatever the backoff: the tier is healthy again within one probe of Redis
+answering, and the connections of before the outage are dropped then, so that no request
+trips over a dead socket. Capacity and usage are read from `INFO memory` (maxmemory,
+used_memory) by the same probe; evictions are Redis's own business (configure
+`maxmemory-policy allkeys-lru`).
+
+Block index: next to each record, one small key per block it holds, under its own
+prefix (`<key prefix without the colon>-index:`, `kvtier-index:` by default, so that the
+record keyspace holds records only), set with NX and the records' TTL. Other instances
+read them (`get_index`) to find which record holds a block they need.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -34,14 +44,18 @@ from redis.connection import (
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tiers.base import Buffer, RecordTier, Worker
+from tiers.base import Buffer, IndexEntry, RecordTier, Worker
+from tiers.health import Health
 from tiers.pins import PinTable
 from tiers.redis_url import RedisTarget, parse_redis_url
+from tiers.resp import BulkReader
 
 T = TypeVar("T")
 _FAILURES = (RedisError, OSError, TimeoutError)
 SOCKET_READ_SIZE = 1 << 18  # replies are whole records: read in big pieces
 BUFFER_CUTOFF = 6000  # arguments longer than this are sent as separate buffers
+RECOVERY_PROBE_S = 0.25  # probe period while unhealthy
+INDEX_VALUE_BYTES = 256  # longest block index entry read back
 
 
 class RedisTier(RecordTier):
@@ -63,12 +77,17 @@ class RedisTier(RecordTier):
         self.target = parse_redis_url(url)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.key_prefix = key_prefix
+        self.index_prefix = key_prefix.rstrip(":") + "-index:"
         self.op_timeout_s = op_timeout_s
         self.probe_interval_s = probe_interval_s
         self._client = _make_client(self.target, op_timeout_s, connect_timeout_s, max_connections)
+        # records are read straight into the caller's buffers; a cluster goes through redis-py
+        self._reader = None if self.target.cluster else BulkReader(self.target, op_timeout_s, connect_timeout_s)
         self._capacity = 0
         self._usage = 0
         self._entries = 0
+        self._removed: list[str] = []
+        self._lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
@@ -89,27 +108,55 @@ class RedisTier(RecordTier):
         return [False] * len(keys) if replies is None else [bool(r) for r in replies]
 
     async def get(
-        self, keys: Sequence[str], into: Sequence[bytearray] | None = None
+        self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         """Pipelined GETs. With `into`, each value is read only up to its buffer's size
         (GETRANGE), so a huge value under one of our keys costs no more memory than a
-        record; redis-py still allocates the replies (the buffers are not filled)."""
+        record, and copied into the start of its buffer."""
         start = time.perf_counter()
+        if into is not None and self._reader is not None:
+            names = [self.key_prefix + key for key in keys]
+            sizes = await self._guarded(lambda: self._reader.get_into(names, into), None)
+            if sizes is None:
+                return [None] * len(keys)
+            self.counters.add(bytes_read=sum(s for s in sizes if s))
+            self.counters.observe_get(time.perf_counter() - start)
+            return [into[i][:size] if size else None for i, size in enumerate(sizes)]
         if into is None:
             replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
         else:
             replies = await self._pipelined(
-                keys, lambda pipe, i, key: pipe.getrange(key, 0, len(into[i]) - 1)
+                keys, lambda pipe, i, key: pipe.getrange(key, 0, into[i].nbytes - 1)
             )
         if replies is None:
             return [None] * len(keys)
         self.counters.add(bytes_read=sum(len(r) for r in replies if r is not None))
         self.counters.observe_get(time.perf_counter() - start)
-        return [r or None for r in replies]  # GETRANGE answers b"" for a missing key
+        records: list[Buffer | None] = []
+        for i, reply in enumerate(replies):
+            if not reply:  # GETRANGE answers b"" for a missing key
+                records.append(None)
+            elif into is None:
+                records.append(reply)
+            else:
+                into[i][: len(reply)] = reply
+                records.append(into[i][: len(reply)])
+        return records
 
-    async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """Store records that Redis does not hold yet (records are content addressed):
-        one EXISTS pipeline, then one SET pipeline for the missing ones, in one I/O job."""
+    async def get_index(self, names: Sequence[str]) -> list[bytes | None]:
+        replies = await self._pipelined(
+            [self.index_prefix + n for n in names],
+            lambda pipe, _, key: pipe.getrange(key, 0, INDEX_VALUE_BYTES - 1),
+            prefixed=True,
+        )
+        return [None] * len(names) if replies is None else [r or None for r in replies]
+
+    async def put(
+        self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
+    ) -> list[bool]:
+        """Store records that Redis does not hold yet (records are content addressed), with
+        their block index entries: one EXISTS pipeline, then one SET pipeline for the
+        missing ones, in one I/O job."""
         if not items:
             return []
         start = time.perf_counter()
@@ -123,7 +170,11 @@ class RedisTier(RecordTier):
                 missing = [i for i, there in enumerate(present) if not there]
                 for i in missing:
                     pipe.set(keys[i], items[i][1], px=self.ttl_ms)
-                for i, ok in zip(missing, pipe.execute() if missing else [], strict=True):
+                for i in missing if blocks else ():
+                    for name, value in blocks[i]:
+                        pipe.set(self.index_prefix + name, value, px=self.ttl_ms, nx=True)
+                replies = pipe.execute() if missing else []
+                for i, ok in zip(missing, replies, strict=False):
                     present[i] = bool(ok)
                 return present, missing
 
@@ -140,38 +191,69 @@ class RedisTier(RecordTier):
     async def delete(self, keys: Sequence[str]) -> int:
         replies = await self._pipelined(keys, lambda pipe, _, key: pipe.delete(key))
         removed = 0 if replies is None else sum(int(r) for r in replies)
+        if replies is not None:
+            with self._lock:
+                self._removed.extend(keys)
         self.counters.add(deletes=removed)
         return removed
 
     async def clear(self, prefix: str = "") -> int:
-        def scan() -> list[str]:
-            found = self._client.scan_iter(match=f"{self.key_prefix}{prefix}*", count=1000)
-            return [k.decode()[len(self.key_prefix) :] for k in found]
+        """Remove the unpinned records under `prefix`, and the block index entries under it."""
+        def scan(pattern_prefix: str) -> list[str]:
+            found = self._client.scan_iter(match=f"{pattern_prefix}{prefix}*", count=1000)
+            return [k.decode()[len(pattern_prefix) :] for k in found]
 
-        keys = await self._guarded(scan, None)
+        entries = await self._guarded(lambda: scan(self.index_prefix), None)
+        if entries:
+            await self._pipelined(
+                [self.index_prefix + e for e in entries], lambda pipe, _, key: pipe.delete(key),
+                prefixed=True,
+            )
+        keys = await self._guarded(lambda: scan(self.key_prefix), None)
         if not keys:
             return 0
         return await self.delete([k for k in keys if not self.pins.is_pinned(k)])
+
+    def take_removed(self) -> list[str]:
+        with self._lock:
+            removed, self._removed = self._removed, []
+        return removed
 
     def workers(self) -> Sequence[Worker]:
         return (("redis-probe", self._probe_forever),)
 
     async def probe(self) -> bool:
-        """One health/usage probe (PING + INFO memory); True if Redis answered."""
-        info = await self._guarded(self._read_info, None, force=True)
+        """One health/usage probe (INFO memory and DBSIZE), whatever the backoff; True if
+        Redis answered. Coming back from unhealthy, the pooled connections of before are
+        dropped first."""
+        recovering = self.health.state is not Health.HEALTHY
+        info = await self._guarded(self._read_info, None, force=True, record_success=False)
         if info is None:
             return False
+        if recovering:
+            await asyncio.to_thread(self._drop_connections)
+        self.health.record_success()
         self._capacity, self._usage, self._entries = info
         return True
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self._client.close)
+        if self._reader is not None:
+            self._reader.close()
 
     async def _probe_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.probe_interval_s)
-            if self.health.available():
-                await self.probe()
+            healthy = self.health.state is Health.HEALTHY
+            await asyncio.sleep(self.probe_interval_s if healthy else min(self.probe_interval_s, RECOVERY_PROBE_S))
+            await self.probe()
+
+    def _drop_connections(self) -> None:
+        if isinstance(self._client, RedisCluster):
+            self._client.disconnect_connection_pools()
+        else:
+            self._client.connection_pool.disconnect()
+        if self._reader is not None:
+            self._reader.close()
 
     def _read_info(self) -> tuple[int, int, int]:
         if isinstance(self._client, RedisCluster):
@@ -187,21 +269,25 @@ class RedisTier(RecordTier):
         return capacity, usage, entries
 
     async def _pipelined(
-        self, keys: Sequence[str], add: Callable[[Any, int, str], Any]
+        self, keys: Sequence[str], add: Callable[[Any, int, str], Any], prefixed: bool = False
     ) -> list | None:
-        """Run `add(pipe, index, prefixed_key)` per key in one pipeline; None if Redis failed."""
+        """Run `add(pipe, index, prefixed_key)` per key in one pipeline; None if Redis
+        failed. `prefixed`: the keys already carry their prefix."""
         if not keys:
             return []
+        prefix = "" if prefixed else self.key_prefix
 
         def run() -> list:
             with self._client.pipeline(transaction=False) as pipe:
                 for index, key in enumerate(keys):
-                    add(pipe, index, self.key_prefix + key)
+                    add(pipe, index, prefix + key)
                 return pipe.execute()
 
         return await self._guarded(run, None)
 
-    async def _guarded(self, op: Callable[[], T], fallback: T, force: bool = False) -> T:
+    async def _guarded(
+        self, op: Callable[[], T], fallback: T, force: bool = False, record_success: bool = True
+    ) -> T:
         """Run blocking `op` in an I/O thread under the timeout; failures are counted,
         change health and give `fallback`."""
         if not force and not self.health.available():
@@ -212,7 +298,8 @@ class RedisTier(RecordTier):
             self.counters.add(errors=1)
             self.health.record_failure(exc)
             return fallback
-        self.health.record_success()
+        if record_success:
+            self.health.record_success()
         return result
 
 

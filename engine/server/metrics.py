@@ -75,7 +75,7 @@ CONNECTOR_COUNTERS = {
     "kv_load_failures": ("kvtier:load_failures", "Loads that delivered fewer tokens than promised."),
     "kv_load_failed_tokens": ("kvtier:load_failed_tokens", "Promised tokens recomputed instead."),
     "kv_saved_chunks": ("kvtier:saved_chunks", "Chunks handed to the store to save."),
-    "kv_save_skipped_chunks": ("kvtier:save_skipped_chunks", "Chunks not saved: no staging buffer free."),
+    "kv_save_skipped_chunks": ("kvtier:save_skipped_chunks", "Chunks not saved: no host slot free."),
     "kv_offloaded_chunks": ("kvtier:offloaded_chunks", "Chunks saved because their request was preempted."),
     "kv_prefetched_requests": ("kvtier:prefetched_requests", "Queued requests whose chunks were prefetched."),
     "kv_load_copy_seconds": ("kvtier:load_copy_seconds", "Time copying loaded KV into device blocks."),

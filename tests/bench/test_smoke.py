@@ -22,7 +22,7 @@ from bench.cli import WORKLOADS
 from bench.cli import main as bench_main
 from bench.kv_common import find_redis_server
 
-NEEDS_REDIS = ("cross-instance",)
+NEEDS_REDIS = ("cross-instance", "store-hits")
 # the store alone (its smoke skips the model's KV); the built-in model's start-up
 NO_MODEL = ("store", "startup")
 # Workloads on the shared driver, which record the model and their --smoke
@@ -124,6 +124,15 @@ def test_zero_reuse_pairs_interleaved_passes(smoke_run) -> None:
     assert pair["wall_ratio"] == pytest.approx(sum(pair["wall_ratios"]) / 2)
     assert len(pair["cpu_ratios"]) == 2 and pair["cpu_ratio"] > 0
     assert "Per pass:" in (smoke_run("zero-reuse") / "zero-reuse.md").read_text()
+
+
+def test_store_hits_pairs_every_store_with_the_device_hit(smoke_run) -> None:
+    result = json.loads((smoke_run(runnable("store-hits")) / "store-hits.json").read_text())
+    engines = {"cpu", "disk", "redis", "disk, 2nd instance", "redis, 2nd instance"}
+    assert set(result["ratios"]) == engines
+    replay = {name: rounds[1]["hits"] for name, rounds in result["rounds"].items() if name in engines}
+    assert replay["cpu"]["cpu"] > 0 and replay["disk"]["disk"] > 0 and replay["redis"]["redis"] > 0
+    assert replay["disk, 2nd instance"]["disk"] > 0 and replay["redis, 2nd instance"]["redis"] > 0
 
 
 def test_store_result_has_each_tier_and_lz4_rows(smoke_run) -> None:

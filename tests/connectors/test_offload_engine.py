@@ -112,6 +112,44 @@ def test_a_replayed_prompt_ending_inside_a_chunk_loads_up_to_its_last_full_block
     assert loaded == sum((n - 1) // 16 * 16 for n in lengths)
 
 
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "redis"])
+def test_new_questions_on_a_stored_document_load_every_shared_block(tiny_llama, tmp_path, tiers, request):
+    # Records of 4 blocks; the document has 10 full blocks and 5 tokens: records [0-3],
+    # [4-7] and the tail [8-9]. Each question shares a different run of the document:
+    # all of it (the tail record read whole), 120 tokens (7 blocks: [4-7] read in part),
+    # 40 tokens (2 blocks: the first record in part). Then a second instance on the same
+    # directory or Redis asks other questions (everything from the store).
+    doc = random_prompts([165], vocab_size=480, seed=31)[0]
+    shared = [165, 120, 40]
+
+    def questions(seed: int) -> list[list[int]]:
+        asked = random_prompts([9, 14, 20], vocab_size=480, seed=seed)
+        return [doc[:n] + q for n, q in zip(shared, asked, strict=True)]
+
+    rounds = [questions(32)] + ([questions(33)] if tiers != "cpu" else [])
+    options = {"dtype": "float32", "kv_offload": tiers, "kv_chunk_tokens": 64,
+               "kv_offload_disk_path": str(tmp_path / "kv")}
+    if tiers == "redis":
+        options["kv_redis_url"] = request.getfixturevalue("redis_url")
+
+    def ask(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], float]]:
+        answers = []
+        for prompt in prompts:
+            llm.engine.kv_cache_manager.reset_prefix_cache()  # the device keeps nothing
+            before = counters(llm)
+            answer = one_by_one(llm, [prompt], 6)[0]
+            answers.append((answer, delta(before, counters(llm))["kv_loaded_tokens"]))
+        return answers
+
+    for number, prompts in enumerate(rounds):
+        expected = hf_greedy(tiny_llama, prompts, [6] * len(prompts))
+        with LLM(model=tiny_llama, **options) as llm:
+            if number == 0:
+                one_by_one(llm, [doc], 1)
+                assert llm.engine.connector.store.drain(30)  # the disk and Redis writes are known
+            assert ask(llm, prompts) == [(tokens, n // 16 * 16) for tokens, n in zip(expected, shared, strict=True)]
+
+
 def test_offload_preemption_recomputes_fewer_tokens_than_recompute(tiny_llama):
     # Six requests with long outputs in a pool of a third of what they need: preempted
     # requests have computed several output chunks that recompute mode recomputes.
@@ -174,14 +212,12 @@ def test_redis_stopped_mid_run_changes_no_output(tiny_llama, redis_factory):
         for i, doc in enumerate(docs):
             engine.add_request(f"r{i}", doc, greedy(6))
         outputs = {}
-        steps = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 4:
-                server.kill()
+            if outputs and server.proc.poll() is None:
+                server.kill()  # the first requests loaded from Redis, the others cannot
         stats = llm.stats()
     assert [outputs[f"r{i}"] for i in range(len(docs))] == expected
     assert 0 < stats["kv_loaded_tokens"] < 6 * 96

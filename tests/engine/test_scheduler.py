@@ -350,16 +350,15 @@ def test_request_finished_while_its_step_runs_is_left_alone():
 class FakeConnector(NullConnector):
     """Supplies `external[request_id]` tokens after the device hit by writing them into
     the fake KV cache as a real load would: at once, or, for an asynchronous load, when
-    the test calls `finish_load` (possibly with fewer tokens than promised). Keeps
-    finished requests' blocks until saved; records preemptions with the blocks they see."""
+    the test calls `finish_load` (possibly with fewer tokens than promised). A request in
+    `unknown` gets no answer (None) until the test calls `answer`. Records finished
+    requests and preemptions with the blocks they see."""
 
-    def __init__(
-        self, model: FakeModel, external: dict[str, int], load_async: bool = False, keep_blocks: bool = True
-    ) -> None:
+    def __init__(self, model: FakeModel, external: dict[str, int], load_async: bool = False) -> None:
         self.model = model
         self.external = external
         self.load_async = load_async
-        self.keep_blocks = keep_blocks
+        self.unknown: set[str] = set()
         self.device_hit: dict[str, int] = {}
         self.loaded: dict[str, tuple[int, int]] = {}
         self.in_flight: dict[str, list[int]] = {}
@@ -367,9 +366,14 @@ class FakeConnector(NullConnector):
         self.finished: list[str] = []
         self.preempted: list[tuple[str, int, list[int]]] = []
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.device_hit[request.request_id] = num_computed_tokens
+        if request.request_id in self.unknown:
+            return None, False
         return self.external.get(request.request_id, 0), self.load_async
+
+    def answer(self, request: Request) -> None:
+        self.unknown.discard(request.request_id)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if self.load_async and num_external_tokens:
@@ -381,9 +385,9 @@ class FakeConnector(NullConnector):
         self._write(request, self.in_flight.pop(request.request_id), delivered)
         self.arrived[request.request_id] = delivered
 
-    def get_finished(self) -> tuple[set[str], dict[str, int]]:
+    def get_finished(self) -> dict[str, int]:
         arrived, self.arrived = self.arrived, {}
-        return set(), arrived
+        return arrived
 
     def build_meta(self, output: SchedulerOutput) -> object:
         return {"num_requests": len(output.requests)}
@@ -391,9 +395,8 @@ class FakeConnector(NullConnector):
     def request_preempted(self, request: Request, block_ids: list[int]) -> None:
         self.preempted.append((request.request_id, request.num_computed_tokens, block_ids))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
         self.finished.append(request.request_id)
-        return self.keep_blocks
 
     def _write(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
         start = self.device_hit[request.request_id]
@@ -402,7 +405,7 @@ class FakeConnector(NullConnector):
         self.loaded[request.request_id] = (start, num_tokens)
 
 
-def test_connector_hooks_load_external_tokens_and_delay_freeing():
+def test_connector_hooks_load_external_tokens():
     model = FakeModel()
     connector = FakeConnector(model, {"a": 8})
     scheduler = make_scheduler(connector=connector)
@@ -417,8 +420,6 @@ def test_connector_hooks_load_external_tokens_and_delay_freeing():
     run(scheduler, model)
     assert request.output_token_ids == reference(prompt, 4)
     assert connector.finished == ["a"]
-    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
-    scheduler.finish_saving(["a"])
     assert_all_blocks_released(scheduler)
 
 
@@ -451,7 +452,26 @@ def test_async_load_waits_while_others_run_then_computes_what_did_not_arrive():
     run(scheduler, model)
     for request in (a, b, c):
         assert request.output_token_ids == reference(request.prompt_token_ids, request.sampling_params.max_tokens)
-    scheduler.finish_saving(["a", "b", "c"])
+    assert_all_blocks_released(scheduler)
+
+
+def test_a_request_the_connector_cannot_answer_yet_waits_in_place_while_others_run():
+    model = FakeModel()
+    connector = FakeConnector(model, {"a": 8})
+    scheduler = make_scheduler(connector=connector)
+    a, b = make_request("a", list(range(13))), make_request("b", [5, 6, 7], max_tokens=6)
+    connector.unknown.add("a")
+    for request in (a, b):
+        scheduler.add_request(request)
+    out = step(scheduler, model)
+    assert out.requests == [b] and a.status == RequestStatus.WAITING
+    assert list(scheduler.waiting) == [a] and scheduler.num_loading == 1
+    connector.answer(a)
+    out = step(scheduler, model)
+    assert a in out.requests and connector.loaded["a"] == (0, 8) and scheduler.num_loading == 0
+    run(scheduler, model)
+    for request in (a, b):
+        assert request.output_token_ids == reference(request.prompt_token_ids, request.sampling_params.max_tokens)
     assert_all_blocks_released(scheduler)
 
 
@@ -463,14 +483,13 @@ def test_abort_while_loading_releases_the_blocks():
     assert scheduler.schedule().requests == []
     assert scheduler.has_unfinished_requests()
     scheduler.abort_requests(["a"])
-    scheduler.finish_saving(["a"])
     assert not scheduler.has_unfinished_requests()
     assert_all_blocks_released(scheduler)
 
 
 def test_offload_mode_hands_the_victim_to_the_connector_before_freeing():
     model = FakeModel()
-    connector = FakeConnector(model, {}, keep_blocks=False)
+    connector = FakeConnector(model, {})
     config = EngineConfig(block_size=BS, max_num_batched_tokens=64, kv_offload="cpu")
     scheduler = Scheduler(config, KVCacheManager(7, BS), BlockHasher(b"fake-model", BS), connector)
     requests = [make_request(rid, [base + i for i in range(8)], 4) for rid, base in (("a", 0), ("b", 100), ("c", 200))]

@@ -34,7 +34,8 @@ def main(spec: dict) -> None:
     for count in itertools.count(1):
         store = stores[count % 2]
         payload = torch.randn(store.spec.shape).to(store.spec.dtype)
-        store.save([store.key(os.urandom(32))], [payload]).result(30)
+        key = store.key([os.urandom(32) for _ in range(store.spec.blocks_per_chunk)])
+        store.save([key], [payload]).result(30)
         if count % REPORT_EVERY == 0:
             print(json.dumps({"written": count}), flush=True)
 

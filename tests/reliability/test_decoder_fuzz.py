@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 SPEC = make_spec(torch.bfloat16, chunk_tokens=64)
 CODEC = RecordCodec(SPEC)
 KEY = hashlib.sha256(b"fuzzed chunk").digest()
-HEADER = struct.Struct(f"<4sHHBB2x32s32s{MAX_RANK}IQQQ")
+HEADER = struct.Struct(f"<4sHHBBHI32s{MAX_RANK}IQQQQ")
 MEMORY_BOUND = 4 * CODEC.max_record_size  # what one decode may allocate, at most
 STORE_MEMORY_BOUND = 1024**2  # one load through a tier: a record buffer plus bookkeeping
 HUGE_VALUE = 64 * 1024**2
@@ -40,23 +40,26 @@ _allocations: list[int] = []
 
 
 def seal(fields: dict, payload: bytes, fix_checksum: bool) -> bytes:
-    """A record with these header fields; the checksum is made valid when asked, so
-    that the checks after it are reached."""
+    """A record with these header fields; the checksums are made valid when asked, so
+    that the checks after them are reached."""
     dims = list(fields["shape"]) + [0] * (MAX_RANK - len(fields["shape"]))
+    hashes = b"".join(fields["block_hashes"])
     header = HEADER.pack(fields["magic"], fields["version"], fields["flags"], fields["dtype"],
-                         fields["rank"], fields["fingerprint"], fields["block_hash"], *dims,
-                         fields["raw_len"], fields["payload_len"], fields["checksum"])
-    record = bytearray(header + payload)
+                         fields["rank"], fields["num_blocks"], fields["first_block"], fields["fingerprint"],
+                         *dims, fields["raw_len"], fields["payload_len"], fields["checksum"], fields["checksum"])
+    record = bytearray(header + hashes + payload)
     if fix_checksum:
-        digest = xxhash.xxh3_64(bytes(record[: HEADER_SIZE - 8]) + payload).intdigest()
-        struct.pack_into("<Q", record, HEADER_SIZE - 8, digest)
+        struct.pack_into("<Q", record, HEADER_SIZE - 16, xxhash.xxh3_64(payload).intdigest())
+        head = bytes(record[: HEADER_SIZE - 8]) + hashes
+        struct.pack_into("<Q", record, HEADER_SIZE - 8, xxhash.xxh3_64(head).intdigest())
     return bytes(record)
 
 
 def honest_fields(payload_len: int, flags: int = 0) -> dict:
-    return {"magic": MAGIC, "version": 1, "flags": flags, "dtype": SPEC.dtype_code,
-            "rank": len(SPEC.shape), "fingerprint": SPEC.fingerprint, "block_hash": KEY,
-            "shape": SPEC.shape, "raw_len": SPEC.nbytes, "payload_len": payload_len, "checksum": 0}
+    return {"magic": MAGIC, "version": 2, "flags": flags, "dtype": SPEC.dtype_code,
+            "rank": len(SPEC.block_shape), "num_blocks": 1, "first_block": 0,
+            "fingerprint": SPEC.fingerprint, "block_hashes": [KEY], "shape": SPEC.block_shape,
+            "raw_len": SPEC.block_bytes, "payload_len": payload_len, "checksum": 0}
 
 
 big = st.one_of(st.integers(0, 2**16), st.integers(0, 2**64 - 1), st.sampled_from([SPEC.nbytes, 2**63]))
@@ -68,7 +71,9 @@ mutations = st.fixed_dictionaries({}, optional={
     "raw_len": big,
     "payload_len": big,
     "fingerprint": st.binary(min_size=32, max_size=32),
-    "block_hash": st.binary(min_size=32, max_size=32),
+    "num_blocks": st.integers(0, 2**16 - 1),
+    "first_block": st.integers(0, 2**32 - 1),
+    "block_hashes": st.lists(st.binary(min_size=32, max_size=32), max_size=20),
 })
 payloads = st.one_of(
     st.binary(max_size=4096),
@@ -149,7 +154,7 @@ def test_a_huge_value_under_a_valid_key_is_read_in_bounded_memory(
     server = redis_factory() if tier == "redis" else None
     options = {"tiers": tier, "disk_path": str(tmp_path), "redis_url": server and server.url}
     with TieredStore.from_options(SPEC, **options) as store:
-        key = store.key(KEY)
+        key = store.key([KEY])
         plant_huge_value(store, key.name, server)
         out = torch.empty(SPEC.shape, dtype=SPEC.dtype)
         tracemalloc.start()

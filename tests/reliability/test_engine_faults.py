@@ -96,7 +96,7 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
                                               scorecard: Scorecard):
     prompts = random_prompts(8, 100, seed=39)
     with LLM(model=model_path, **STORE_ONLY, kv_offload="disk", kv_offload_disk_path=str(tmp_path)) as llm:
-        engine, pool = llm.engine, llm.engine.connector.transfer.pool
+        engine, slots = llm.engine, llm.engine.connector.store.memory  # host slots loads land in
         drive(engine, prompts, MAX_TOKENS)
         assert store_of(engine).drain(30)
         aborted_while_loading = 0
@@ -107,7 +107,7 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
             engine.step()  # admitted: their chunks load from disk asynchronously
             aborted_while_loading += engine.stats()["num_requests_loading_kv"]
             engine.abort_request(ids)
-        settle_s = wait_until(lambda: not engine.step() and pool.free_buffers == pool.num_buffers, 30)
+        settle_s = wait_until(lambda: not engine.step() and slots.slots_in_use == 0, 30)
         leaked = held_blocks(engine)
         after = drive(engine, prompts, MAX_TOKENS)
     wrong = wrong_outputs(after.outputs, cold(model_path, prompts, MAX_TOKENS))
@@ -115,7 +115,7 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
         "engine", "aborts during store loads (engine)", requests=(STORM_ROUNDS + 2) * len(prompts),
         wrong_outputs=wrong, faults=STORM_ROUNDS * len(prompts), leaked_blocks=leaked, recovery_s=settle_s,
         aborted_while_loading=aborted_while_loading,
-        staging_buffers_free_after=f"{pool.free_buffers}/{pool.num_buffers}",
+        staging_buffers_free_after=f"{slots.num_slots - slots.slots_in_use}/{slots.num_slots}",
     )
     assert aborted_while_loading > 0 and leaked == 0 and wrong == 0
 

@@ -18,12 +18,14 @@ import time
 
 import torch
 
-from kvstore import TieredStore
+from kvstore import ChunkKey, TieredStore
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 
-def block_hash(i: int) -> bytes:
-    return hashlib.sha256(f"shared-block-{i}".encode()).digest()
+def record_key(store: TieredStore, i: int) -> ChunkKey:
+    """The key of a full record named by `i` (its block hashes stand in for chained ones)."""
+    blocks = store.spec.blocks_per_chunk
+    return store.key([hashlib.sha256(f"shared-block-{i}-{b}".encode()).digest() for b in range(blocks)])
 
 
 def open_store(options: dict) -> TieredStore:
@@ -42,7 +44,7 @@ def churn(options: dict) -> dict:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         store, i = rng.choice(stores), rng.randrange(ids)
-        counts, key = summary[store.tier_names[0]], store.key(block_hash(i))
+        counts, key = summary[store.tier_names[0]], record_key(store, i)
         if rng.random() < 0.5:
             store.save([key], [chunk_payload(store.spec, i)]).result(10)
             counts["saves"] += 1
@@ -63,7 +65,7 @@ def writer(options: dict) -> None:
     store = open_store(options)
     i = 0
     while True:
-        store.save([store.key(block_hash(i))], [chunk_payload(store.spec, i)]).result(10)
+        store.save([record_key(store, i)], [chunk_payload(store.spec, i)]).result(10)
         i += 1
         if i == 4:
             print("ready", flush=True)

@@ -1,67 +1,84 @@
-"""CPU slab tier: LRU under its byte budget, pins, references, deletion."""
+"""Host slots and the cpu tier: LRU under its byte budget, pins, references, deletion,
+and slots that keep nothing without the tier."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-import torch
 
-from tests.store.store_helpers import bits_equal
 from tiers import CpuTier, PinTable, TierConfigError
-from tiers.cpu import ALREADY_PRESENT, NO_ROOM
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, SLOT_ALIGN
 
-SHAPE = (4, 8)
-
-
-def chunk(value: float) -> torch.Tensor:
-    return torch.full(SHAPE, value, dtype=torch.bfloat16)
+SLOT = 256
 
 
-def make_tier(slots: int, pins: PinTable | None = None) -> CpuTier:
-    return CpuTier(slots * 4 * 8 * 2, SHAPE, torch.bfloat16, pins)
+def make_tier(slots: int, pins: PinTable | None = None, retain: bool = True) -> CpuTier:
+    return CpuTier(slots * SLOT, SLOT, pins, pin_memory=False, retain=retain)
 
 
-def test_capacity_is_whole_slots():
-    tier = CpuTier(3 * 64 + 10, SHAPE, torch.bfloat16)
-    assert tier.num_slots == 3 and tier.capacity_bytes == 192
+def put(tier: CpuTier, name: str, value: int) -> bool:
+    """Store `name` with every byte `value`; True if the tier holds it afterwards."""
+    slot = tier.reserve(name)
+    if slot == ALREADY_PRESENT:
+        return True
+    if slot == NO_ROOM:
+        return False
+    tier.buffer(slot)[:] = bytes([value]) * SLOT
+    tier.commit(slot)
+    tier.release(slot)
+    return True
+
+
+def read(tier: CpuTier, name: str) -> int | None:
+    slot = tier.acquire(name)
+    if slot is None:
+        return None
+    try:
+        return tier.buffer(slot)[0]
+    finally:
+        tier.release(slot)
+
+
+def test_capacity_is_whole_aligned_slots():
+    tier = CpuTier(3 * SLOT + 10, SLOT - 5, pin_memory=False)
+    assert tier.slot_bytes == SLOT and tier.slot_bytes % SLOT_ALIGN == 0
+    assert tier.num_slots == 3 and tier.capacity_bytes == 3 * SLOT
     with pytest.raises(TierConfigError):
-        CpuTier(10, SHAPE, torch.bfloat16)
+        CpuTier(10, SLOT, pin_memory=False)
 
 
 def test_put_get_roundtrip_and_usage():
     tier = make_tier(2)
-    assert tier.put_from("a", chunk(1.5))
-    out = torch.empty(SHAPE, dtype=torch.bfloat16)
-    assert tier.get_into("a", out) and bits_equal(out, chunk(1.5))
-    assert not tier.get_into("missing", out)
-    assert tier.usage_bytes == 64 and tier.entries == 1
-    assert tier.put_from("a", chunk(9.0))  # already present: kept, not rewritten
-    assert tier.get_into("a", out) and bits_equal(out, chunk(1.5))
+    assert put(tier, "a", 7) and read(tier, "a") == 7
+    assert read(tier, "missing") is None
+    assert tier.usage_bytes == SLOT and tier.entries == 1
+    assert put(tier, "a", 9) and read(tier, "a") == 7  # already present: kept, not rewritten
+    assert tier.slots_in_use == 0
 
 
-def test_lru_keeps_the_most_recently_used():
+def test_lru_keeps_the_most_recently_used_and_reports_evictions():
     tier = make_tier(3)
-    for name in "abc":
-        tier.put_from(name, chunk(1))
-    tier.get_into("a", torch.empty(SHAPE, dtype=torch.bfloat16))  # a is now the newest
-    tier.put_from("d", chunk(4))
-    tier.put_from("e", chunk(5))
-    assert [k for k in "abcde" if tier.has_local(k)] == ["a", "d", "e"]
-    assert tier.counters["evictions"] == 2
-    assert tier.usage_bytes <= tier.capacity_bytes
+    for index, name in enumerate("abc"):
+        put(tier, name, index)
+    read(tier, "a")  # a is now the newest
+    put(tier, "d", 4)
+    put(tier, "e", 5)
+    assert [k for k in "abcde" if tier.has(k)] == ["a", "d", "e"]
+    assert tier.counters["evictions"] == 2 and tier.take_removed() == ["b", "c"]
+    assert tier.take_removed() == []
 
 
-def test_pinned_chunks_are_never_evicted():
+def test_pinned_records_are_never_evicted():
     pins = PinTable()
     tier = make_tier(2, pins)
     pins.pin(["a"])
-    tier.put_from("a", chunk(1))
+    put(tier, "a", 1)
     for i in range(10):
-        tier.put_from(f"k{i}", chunk(i))
-    assert tier.has_local("a") and tier.has_local("k9")
+        put(tier, f"k{i}", i)
+    assert tier.has("a") and tier.has("k9")
     pins.pin(["k9"])
-    assert not tier.put_from("x", chunk(0))  # every slot pinned: rejected, not evicted
+    assert not put(tier, "x", 0)  # every slot pinned: rejected, not evicted
     assert tier.counters["put_rejected"] == 1
 
 
@@ -70,42 +87,62 @@ def test_pin_ttl_expires():
     pins = PinTable(clock=lambda: now[0])
     tier = make_tier(1, pins)
     pins.pin(["a"], ttl_s=10)
-    tier.put_from("a", chunk(1))
-    assert not tier.put_from("b", chunk(2))
+    put(tier, "a", 1)
+    assert not put(tier, "b", 2)
     now[0] = 11.0
-    assert tier.put_from("b", chunk(2)) and not tier.has_local("a")
+    assert put(tier, "b", 2) and not tier.has("a")
 
 
-def test_referenced_and_reserved_slots_are_not_evicted():
+def test_held_and_reserved_slots_are_not_evicted():
     tier = make_tier(2)
-    tier.put_from("a", chunk(1))
+    put(tier, "a", 1)
     slot = tier.acquire("a")
     reserved = tier.reserve("b")
     assert reserved >= 0 and tier.reserve("b") == ALREADY_PRESENT
     assert tier.reserve("c") == NO_ROOM
     tier.commit(reserved)
+    tier.release(reserved)
     tier.release(slot)
-    assert tier.reserve("c") >= 0  # now "a" (LRU, unreferenced) can go
-    assert not tier.has_local("a")
+    assert tier.reserve("c") >= 0  # now "a" (LRU, unheld) can go
+    assert not tier.has("a")
 
 
-def test_delete_while_referenced_frees_on_release():
+def test_an_aborted_reservation_publishes_nothing():
     tier = make_tier(1)
-    tier.put_from("a", chunk(3))
+    slot = tier.reserve("a")
+    tier.abort(slot)
+    assert not tier.has("a") and tier.slots_in_use == 0 and tier.reserve("b") >= 0
+
+
+def test_delete_while_held_frees_on_release():
+    tier = make_tier(1)
+    put(tier, "a", 3)
     slot = tier.acquire("a")
     assert asyncio.run(tier.delete(["a"])) == 1
-    assert not tier.has_local("a")
+    assert not tier.has("a") and tier.take_removed() == ["a"]
     assert tier.reserve("b") == NO_ROOM  # the reader still holds the slot
-    assert bits_equal(tier.view(slot), chunk(3))
+    assert tier.buffer(slot)[0] == 3
     tier.release(slot)
-    assert tier.put_from("b", chunk(4))
+    assert put(tier, "b", 4)
+
+
+def test_without_the_tier_a_committed_slot_lives_as_long_as_someone_holds_it():
+    slots = make_tier(1, retain=False)
+    slot = slots.reserve("a")
+    slots.commit(slot)
+    assert slots.acquire("a") == slot and not slots.has("a")  # visible, not kept
+    slots.release(slot)
+    assert slots.reserve("b") == NO_ROOM  # held still by its reserver
+    slots.release(slot)
+    assert slots.acquire("a") is None and slots.reserve("b") >= 0
+    assert slots.capacity_bytes == 0 and slots.usage_bytes == 0
 
 
 def test_clear_by_prefix_spares_pins():
     pins = PinTable()
     tier = make_tier(4, pins)
     for name in ("m1-a", "m1-b", "m2-a"):
-        tier.put_from(name, chunk(1))
+        put(tier, name, 1)
     pins.pin(["m1-b"])
     assert asyncio.run(tier.clear("m1-")) == 1
-    assert [tier.has_local(k) for k in ("m1-a", "m1-b", "m2-a")] == [False, True, True]
+    assert [tier.has(k) for k in ("m1-a", "m1-b", "m2-a")] == [False, True, True]

@@ -21,6 +21,15 @@ def record(i: int, size: int = 1000) -> bytes:
     return bytes([i % 256]) * size
 
 
+def test_get_reads_into_the_callers_buffers(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    run(tier.put([("k-01", record(1)), ("k-02", record(2, 30))]))
+    buffers = [memoryview(bytearray(1000)), memoryview(bytearray(20))]
+    got = run(tier.get(["k-01", "k-02"], buffers))
+    assert got[0].obj is buffers[0].obj and bytes(got[0]) == record(1)
+    assert bytes(got[1]) == record(2, 20)  # cut to its buffer: the decoder rejects it
+
+
 def test_put_get_and_no_temp_files_left(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
     assert run(tier.put([("k-01", record(1)), ("k-02", record(2))])) == [True, True]
@@ -56,7 +65,7 @@ def test_restart_rebuilds_the_index_in_lru_order(tmp_path):
     assert again.entries == 3 and again.usage_bytes == 3000
     assert run(again.get(["k-01"])) == [record(1)]
     smaller = DiskTier(tmp_path, 2_000)  # a smaller budget evicts the oldest at start
-    assert [smaller.has_local(f"k-{i:02d}") for i in range(3)] == [False, True, True]
+    assert [smaller.holds(f"k-{i:02d}") for i in range(3)] == [False, True, True]
 
 
 def test_stale_temp_files_are_removed_at_start(tmp_path):
@@ -107,14 +116,30 @@ def test_file_removed_by_another_process_is_a_miss(tmp_path):
     tier.path("k-01").unlink()
     assert run(tier.get(["k-01"])) == [None]
     assert tier.entries == 0 and tier.counters["errors"] == 0
+    assert tier.take_removed() == ["k-01"]
 
 
-def test_record_written_by_another_process_is_adopted(tmp_path):
-    mine = DiskTier(tmp_path, 10_000)
+def test_scan_lists_the_records_found_at_start_with_their_heads(tmp_path):
+    writer = DiskTier(tmp_path, 10_000)
+    run(writer.put([("k-01", record(1)), ("k-02", record(2))]))
+    tier = DiskTier(tmp_path, 10_000, head_bytes=8)
+    first = run(tier.scan())
+    assert sorted(first.found) == [("k-01", record(1, 8)), ("k-02", record(2, 8))] and first.gone == []
+    assert run(tier.scan()).found == []  # nothing changed since
+
+
+def test_scan_finds_what_another_process_wrote_or_removed_after_start(tmp_path):
+    mine = DiskTier(tmp_path, 10_000, head_bytes=4)
     other = DiskTier(tmp_path, 10_000)
+    run(mine.put([("k-01", record(1))]))
+    run(mine.scan())
+    assert not mine.holds("k-05")  # no stat() behind a lookup: learnt by the next scan
     run(other.put([("k-05", record(5))]))
-    assert mine.has_local("k-05")
-    assert run(mine.get(["k-05"])) == [record(5)] and mine.usage_bytes == 1000
+    other.path("k-01").unlink()
+    later = run(mine.scan())
+    assert later.found == [("k-05", record(5, 4))] and later.gone == ["k-01"]
+    assert mine.holds("k-05") and not mine.holds("k-01") and mine.usage_bytes == 1000
+    assert run(mine.get(["k-05"])) == [record(5)]
 
 
 def test_write_error_makes_the_tier_unhealthy_then_it_recovers(tmp_path):

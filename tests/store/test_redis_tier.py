@@ -179,3 +179,23 @@ def test_cluster_roundtrip_across_slots(redis_cluster):
         await tier.aclose()
 
     asyncio.run(main())
+
+
+def test_records_are_read_straight_into_the_callers_buffers(redis_factory):
+    server = redis_factory("--requirepass", "s3cret")
+
+    async def main():
+        tier = RedisTier(f"redis://:s3cret@127.0.0.1:{server.port}/3")  # AUTH and SELECT
+        assert await tier.put([("k-1", b"x" * 5000), ("k-2", b"short")]) == [True, True]
+        tier._client.rpush(tier.key_prefix + "k-3", b"a list, not a record")
+        buffers = [memoryview(bytearray(6000)), memoryview(bytearray(3)), memoryview(bytearray(10)),
+                   memoryview(bytearray(10))]
+        got = await tier.get(["k-1", "k-2", "k-3", "absent"], buffers)
+        assert got[0].obj is buffers[0].obj and bytes(got[0]) == b"x" * 5000
+        assert bytes(got[1]) == b"sho"  # cut to its buffer: the decoder rejects it
+        assert got[2:] == [None, None] and tier.health.state == "healthy"
+        server.kill()
+        assert await tier.get(["k-1"], buffers[:1]) == [None] and tier.health.state == "unhealthy"
+        await tier.aclose()
+
+    asyncio.run(main())

@@ -68,9 +68,9 @@ def test_sigkill_during_writes_leaves_no_torn_record(tmp_path):
     store = TieredStore.from_options(spec, tiers="disk", disk_path=str(path), disk_size=1 << 30)
     try:
         assert not list(path.rglob("*.tmp"))  # the dead writer's temp files were removed
-        from mp_worker import block_hash
+        from mp_worker import record_key
 
-        keys = [store.key(block_hash(i)) for i in range(10_000)]
+        keys = [record_key(store, i) for i in range(10_000)]
         found = store.lookup(keys).num_chunks
         assert found >= 4
         outs = [torch.empty(spec.shape, dtype=spec.dtype) for _ in range(found)]

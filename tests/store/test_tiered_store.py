@@ -1,5 +1,6 @@
-"""TieredStore end to end on real tiers: round trips, lookup runs, failures as misses,
-promotion, prefetch, pins, supervision, shutdown."""
+"""TieredStore end to end on real tiers: round trips, the block index (any shared run of
+blocks, after a restart, from another process), failures as misses, promotion without a
+copy, prefetch, pins, supervision, shutdown."""
 
 from __future__ import annotations
 
@@ -9,21 +10,22 @@ import time
 import pytest
 import torch
 
-from kvstore import (
-    ChunkSpecError,
-    StoreClosedError,
-    StoreConfigError,
-    TieredStore,
-)
-from kvstore.record import HEADER_SIZE, RecordCodec
+from kvstore import ChunkSpecError, StoreClosedError, StoreConfigError, TieredStore
+from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BLOCKS = 4  # blocks per record in make_spec()
 
 
-def block_hash(i: int) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest()
+def block_hash(i: int, block: int = 0) -> bytes:
+    return hashlib.sha256(f"block-{i}-{block}".encode()).digest()
+
+
+def sequence(i: int, blocks: int) -> list[bytes]:
+    """The block hashes of sequence `i` (stand-ins for chained hashes)."""
+    return [block_hash(i, b) for b in range(blocks)]
 
 
 def outputs(spec, n: int) -> list[torch.Tensor]:
@@ -51,11 +53,38 @@ def open_store(tmp_path, redis_url):
         store.close()
 
 
+def record_key(store: TieredStore, i: int):
+    """The key of the full first record of sequence `i`."""
+    return store.key(sequence(i, BLOCKS))
+
+
 def save_chunks(store: TieredStore, ids) -> list:
-    keys = [store.key(block_hash(i)) for i in ids]
+    keys = [record_key(store, i) for i in ids]
     result = store.save(keys, [chunk_payload(store.spec, i) for i in ids]).result(10)
     assert result.complete, result
     return keys
+
+
+def save_sequence(store: TieredStore, i: int, blocks: int) -> torch.Tensor:
+    """Save every record of sequence `i` (full records, then a tail); its payload."""
+    hashes = sequence(i, blocks)
+    payload = torch.randn(blocks, *store.spec.block_shape).to(store.spec.dtype)
+    keys = [store.key(hashes[s : s + BLOCKS], s) for s in range(0, blocks, BLOCKS)]
+    tensors = [payload[s : s + BLOCKS].clone() for s in range(0, blocks, BLOCKS)]
+    assert store.save(keys, tensors).result(10).complete
+    return payload
+
+
+def load_run(store: TieredStore, hashes, start: int, end: int) -> tuple[torch.Tensor, list]:
+    """Locate blocks [start, end) and load what was found; (their payload, parts' tiers)."""
+    load = store.open_load(store.locate(hashes, start, end))
+    load.future.result(10)
+    arrived = load.arrived_blocks()
+    views = [store.view(p) for p in load.parts if p.tier is not None]
+    tiers = [p.tier for p in load.parts]
+    out = torch.cat(views)[:arrived].clone() if views else torch.empty(0)
+    store.close_load(load)
+    return out, tiers
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
@@ -71,26 +100,36 @@ def test_roundtrip_is_bit_exact_through_every_tier(open_store, tier, dtype, comp
     assert all(bits_equal(out, chunk_payload(store.spec, i)) for i, out in enumerate(outs))
 
 
-def test_lookup_is_a_prefix_run_across_tiers(open_store):
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "redis", "cpu,disk"])
+def test_any_shared_run_of_blocks_is_found_however_records_were_cut(open_store, tiers):
+    store = open_store(tiers)
+    payload = save_sequence(store, 1, 10)  # records [0..3] [4..7] and a tail [8, 9]
+    hashes = sequence(1, 10)
+    other = hashes[:6] + [block_hash(99, b) for b in range(6, 10)]  # shares 6 blocks
+    found, _ = load_run(store, other, 1, 10)  # from block 1 (the device holds block 0)
+    assert found.shape[0] == 5 and bits_equal(found, payload[1:6])
+    found, _ = load_run(store, hashes, 5, 10)  # inside a record, then its tail record
+    assert bits_equal(found, payload[5:10])
+    assert store.locate(hashes, 10, 12) == []
+
+
+def test_the_index_follows_what_tiers_drop(open_store):
     spec = make_spec()
-    store = open_store("cpu,disk,redis", spec, cpu_size=2 * spec.nbytes)
+    slot = RecordCodec(spec).slot_bytes
+    store = open_store("cpu,disk,redis", spec, cpu_size=2 * slot + slot // 2)
     keys = [save_chunks(store, [i])[0] for i in range(6)]
     assert store.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
-    store.delete([keys[2]])
-    assert store.lookup(keys).tiers == ("disk", "disk")
-    disk = store.lower[0]
-    disk.path(keys[1].name).unlink()
-    disk._forget(keys[1].name)
-    assert store.lookup(keys).tiers == ("disk", "redis")
+    assert store.flush(["disk"]) == {"disk": 6}
+    assert store.lookup(keys).tiers == ("redis",) * 4 + ("cpu",) * 2
     assert store.lookup([]).num_chunks == 0
     snapshot = store.stats().counters
-    assert snapshot["lookups"] == 4 and snapshot["lookup_hit_chunks"] == 10
+    assert snapshot["saves"] == 6
 
 
 def test_load_reports_each_key(open_store):
     store = open_store("cpu,disk")
     keys = save_chunks(store, [0, 1, 3])
-    wanted = [keys[0], keys[1], store.key(block_hash(2)), keys[2]]
+    wanted = [keys[0], keys[1], record_key(store, 2), keys[2]]
     outs = outputs(store.spec, 4)
     result = store.load(wanted, outs).result(10)
     assert result.ok == (True, True, False, True) and result.num_leading_ok == 2
@@ -101,14 +140,30 @@ def test_load_reports_each_key(open_store):
 @pytest.mark.parametrize("tiers", ["cpu,disk", "disk", "redis"])
 def test_save_copies_the_callers_tensors_before_returning(open_store, tiers):
     store = open_store(tiers)
-    key = store.key(block_hash(0))
+    key = record_key(store, 0)
     staging = chunk_payload(store.spec, 0).clone()
     future = store.save([key], [staging])
-    staging.fill_(0)  # the caller reuses its staging buffer at once
+    staging.fill_(0)  # the caller reuses its buffer at once
     assert future.result(10).complete
     out = outputs(store.spec, 1)
     store.load([key], out).result(10)
     assert bits_equal(out[0], chunk_payload(store.spec, 0))
+
+
+def test_a_lower_tier_load_lands_in_the_slot_that_becomes_the_cpu_copy(open_store):
+    first = open_store("disk")
+    payload = save_sequence(first, 2, 8)
+    store = open_store("cpu,disk")
+    hashes = sequence(2, 8)
+    load = store.open_load(store.locate(hashes, 0, 8))
+    assert not load.done() or [p.tier for p in load.parts] == ["disk", "disk"]
+    load.future.result(10)
+    slots = [p.slot for p in load.parts]
+    assert bits_equal(torch.cat([store.view(p) for p in load.parts]), payload)
+    store.close_load(load)
+    names = [p.name for p in load.parts]
+    assert [store.memory.acquire(n) for n in names] == slots  # promoted in place, no copy
+    assert store.stats().counters["promotions"] == 2
 
 
 def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
@@ -116,7 +171,7 @@ def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
     keys = save_chunks(store, range(3))
     disk = store.lower[0]
     flipped = bytearray(disk.path(keys[0].name).read_bytes())
-    flipped[HEADER_SIZE + 10] ^= 0xFF
+    flipped[-100] ^= 0xFF
     disk.path(keys[0].name).write_bytes(bytes(flipped))
     disk.path(keys[1].name).write_bytes(disk.path(keys[1].name).read_bytes()[:500])
     result = store.load(keys, outputs(store.spec, 3)).result(10)
@@ -127,17 +182,17 @@ def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
     while disk.path(keys[0].name).exists() or disk.path(keys[1].name).exists():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    assert store.lookup(keys[:1]).num_chunks == 0
 
 
 def test_record_of_another_model_under_our_key_is_rejected(open_store):
     store = open_store("disk")
-    key = store.key(block_hash(0))
+    key = record_key(store, 0)
     other = RecordCodec(make_spec(fingerprint=b"\x02" * 32))
-    forged = other.encode(key.block_hash, tensor_bytes(chunk_payload(store.spec, 0)))
+    forged = other.encode(key, tensor_bytes(chunk_payload(store.spec, 0)))
     path = store.lower[0].path(key.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bytes(forged))
-    assert store.lookup([key]).tiers == ("disk",)
     assert store.load([key], outputs(store.spec, 1)).result(10).ok == (False,)
     assert store.stats().tiers["disk"].counters["rejected_records"] == 1
 
@@ -158,12 +213,13 @@ def test_different_models_and_chunk_sizes_never_share(open_store):
     c = open_store("redis", make_spec(chunk_tokens=32))
     keys = save_chunks(a, range(2))
     for other in (b, c):
-        other_keys = [other.key(block_hash(i)) for i in range(2)]
-        assert other.lookup(other_keys).num_chunks == 0
-        assert other_keys[0].name != keys[0].name
+        hashes = sequence(0, 8)
+        probe = other.probe(hashes, 0, 8)
+        assert probe.result(10) == 0 and other.locate(hashes, 0, 8) == []
+        assert record_key(other, 0).name != keys[0].name
 
 
-def test_lower_tier_hits_are_promoted_into_cpu(open_store, tmp_path):
+def test_lower_tier_hits_are_promoted_into_cpu(open_store):
     first = open_store("disk")
     keys = save_chunks(first, range(3))
     store = open_store("cpu,disk")
@@ -173,53 +229,65 @@ def test_lower_tier_hits_are_promoted_into_cpu(open_store, tmp_path):
     assert store.stats().counters["promotions"] == 3
 
 
-def test_prefetch_pulls_chunks_into_cpu(open_store):
-    keys = save_chunks(open_store("disk,redis"), range(4))
-    store = open_store("cpu,redis")
-    assert store.lookup(keys).tiers == ("redis",) * 4
-    assert store.prefetch(keys).result(10) == 4
-    assert store.lookup(keys).tiers == ("cpu",) * 4
-    outs = outputs(store.spec, 4)
-    assert store.load(keys, outs).result(10).tiers == ("cpu",) * 4
-    assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
-    assert store.prefetch(keys).result(10) == 0  # nothing left to fetch
-
-
-def test_overlapping_prefetches_and_loads_agree(open_store):
-    keys = save_chunks(open_store("disk"), range(6))
-    store = open_store("cpu,disk")
-    first, second = store.prefetch(keys[:4]), store.prefetch(keys[2:])
-    outs = outputs(store.spec, 6)
-    result = store.load(keys, outs).result(10)
-    assert all(result.ok) and first.result(10) + second.result(10) <= 6
-    assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
-    assert store.lookup(keys).tiers == ("cpu",) * 6
-
-
-def test_restart_finds_what_the_disk_tier_wrote(open_store):
+def test_a_restart_indexes_the_disk_records_from_their_headers(open_store):
     first = open_store("cpu,disk")
-    keys = save_chunks(first, range(5))
+    payload = save_sequence(first, 3, 10)
     first.close()
     again = open_store("cpu,disk")
-    assert again.lookup(keys).tiers == ("disk",) * 5
-    outs = outputs(again.spec, 5)
-    assert all(again.load(keys, outs).result(10).ok)
-    assert all(bits_equal(o, chunk_payload(again.spec, i)) for i, o in enumerate(outs))
+    found, tiers = load_run(again, sequence(3, 10), 2, 10)
+    assert bits_equal(found, payload[2:10]) and tiers == ["disk", "disk", "disk"]
+
+
+def test_a_second_process_on_the_directory_learns_new_records_in_the_background(open_store):
+    reader = open_store("disk", refresh_interval_s=0.05)
+    writer = open_store("disk")
+    payload = save_sequence(writer, 4, 6)
+    assert writer.drain(5)
+    deadline = time.monotonic() + 10
+    while len(reader.locate(sequence(4, 6), 0, 6)) < 6:
+        assert time.monotonic() < deadline, "the reader never learnt the writer's records"
+        time.sleep(0.02)
+    assert bits_equal(load_run(reader, sequence(4, 6), 0, 6)[0], payload)
+
+
+def test_a_probe_of_redis_finds_another_instances_blocks(open_store):
+    writer = open_store("redis")
+    payload = save_sequence(writer, 5, 7)
+    reader = open_store("redis")
+    hashes = sequence(5, 3) + [block_hash(77, b) for b in range(3, 7)]  # shares 3 blocks
+    assert reader.locate(hashes, 0, 7) == []  # nothing in memory: a lookup does no I/O
+    assert reader.probe(hashes, 0, 7).result(10) == 3
+    found, tiers = load_run(reader, hashes, 0, 7)
+    assert bits_equal(found, payload[:3]) and tiers == ["redis"]
+    assert reader.stats().counters["probe_hit_blocks"] == 3
+
+
+def test_prefetch_pulls_records_into_cpu(open_store):
+    first = open_store("disk,redis")
+    save_sequence(first, 6, 8)
+    store = open_store("cpu,redis")
+    hashes = sequence(6, 8)
+    assert store.probe(hashes, 0, 8).result(10) == 8
+    future = store.prefetch_run(store.locate(hashes, 0, 8))
+    future.result(10)
+    assert [loc.record.tiers >= {"cpu"} for loc in store.locate(hashes, 0, 8)] == [True] * 8
+    assert store.prefetch_run(store.locate(hashes, 0, 8)) is None  # nothing left to fetch
+    assert store.stats().counters["prefetch_records"] == 2
 
 
 def test_pinned_prefix_survives_heavy_traffic(open_store):
     spec = make_spec()
-    store = open_store("cpu", spec, cpu_size=4 * spec.nbytes)
-    pinned = [store.key(block_hash(i)) for i in range(2)]
+    store = open_store("cpu", spec, cpu_size=4 * RecordCodec(spec).slot_bytes)
+    pinned = [record_key(store, i) for i in range(2)]
     store.pin(pinned, ttl_s=60)  # pinned before it exists, like a system prompt
     save_chunks(store, range(2))
     for i in range(100, 140):
-        store.save([store.key(block_hash(i))], [chunk_payload(spec, i)]).result(10)
+        store.save([record_key(store, i)], [chunk_payload(spec, i)]).result(10)
     assert store.lookup(pinned).tiers == ("cpu", "cpu")
     assert store.stats().pinned_chunks == 2
     assert store.unpin(pinned) == 2
     for i in range(200, 204):
-        store.save([store.key(block_hash(i))], [chunk_payload(spec, i)]).result(10)
+        store.save([record_key(store, i)], [chunk_payload(spec, i)]).result(10)
     assert store.lookup(pinned).num_chunks == 0
 
 
@@ -229,51 +297,43 @@ def test_crashed_writer_is_restarted_and_counted(open_store, monkeypatch):
     real_put = disk.put
     calls = []
 
-    async def broken_once(items):
+    async def broken_once(items, blocks=None):
         calls.append(len(items))
         if len(calls) == 1:
             raise RuntimeError("injected writer bug")
-        return await real_put(items)
+        return await real_put(items, blocks)
 
     monkeypatch.setattr(disk, "put", broken_once)
-    key = store.key(block_hash(0))
-    result = store.save([key], [chunk_payload(store.spec, 0)]).result(10)
+    result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),) and not result.complete
     assert sum(store.stats().worker_restarts.values()) == 1
-    assert (
-        store.save([store.key(block_hash(1))], [chunk_payload(store.spec, 1)]).result(10).complete
-    )
+    assert store.save([record_key(store, 1)], [chunk_payload(store.spec, 1)]).result(10).complete
 
 
 def test_pending_write_budget_drops_instead_of_blocking(open_store):
     store = open_store("cpu,disk", max_pending_write_bytes=0)
-    key = store.key(block_hash(0))
-    result = store.save([key], [chunk_payload(store.spec, 0)]).result(10)
+    result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),)
-    assert store.stats().counters["save_dropped_chunks"] == 1
+    assert store.stats().counters["save_dropped_records"] == 1
 
 
-def test_close_finishes_pending_writes(open_store, tmp_path):
+def test_close_finishes_pending_writes(open_store):
     store = open_store("disk")
-    futures = [
-        store.save([store.key(block_hash(i))], [chunk_payload(store.spec, i)]) for i in range(20)
-    ]
+    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(20)]
     store.close()
     assert all(f.done() and f.result().complete for f in futures)
     with pytest.raises(StoreClosedError):
-        store.lookup([store.key(block_hash(0))])
+        store.lookup([record_key(store, 0)])
     again = open_store("disk")
-    assert again.lookup([again.key(block_hash(i)) for i in range(20)]).num_chunks == 20
+    assert again.lookup([record_key(again, i) for i in range(20)]).num_chunks == 20
 
 
-def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory, tmp_path):
+def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory):
     server = redis_factory()
-    store = TieredStore.from_options(
-        make_spec(), tiers="cpu,redis", redis_url=server.url, redis_op_timeout_s=30
-    )
+    store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, redis_op_timeout_s=30)
     server.pause()
     try:
-        future = store.save([store.key(block_hash(0))], [chunk_payload(store.spec, 0)])
+        future = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)])
         start = time.monotonic()
         store.close(timeout_s=0.3)
         assert time.monotonic() - start < 3
@@ -285,26 +345,19 @@ def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory, tmp_path)
 def test_redis_outage_is_misses_then_recovery(redis_factory):
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(
-        spec,
-        tiers="redis",
-        redis_url=server.url,
-        redis_op_timeout_s=0.5,
-        redis_probe_interval_s=0.05,
-    )
+    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
+                                     redis_probe_interval_s=0.05)
     try:
-        store.lower[0].health = type(store.lower[0].health)(min_backoff_s=0.05, max_backoff_s=0.2)
         keys = save_chunks(store, range(2))
         server.kill()
         start = time.monotonic()
-        assert store.lookup(keys).num_chunks == 0
         assert store.load(keys, outputs(spec, 2)).result(5).ok == (False, False)
-        assert not store.save(keys, [chunk_payload(spec, 0)] * 2).result(5).complete
+        assert not store.save([record_key(store, 2)], [chunk_payload(spec, 2)]).result(5).complete
         assert time.monotonic() - start < 2
-        assert store.health() == {"redis": "unhealthy"}
+        assert store.stats().tiers["redis"].health == "unhealthy"
         server.start()
         deadline = time.monotonic() + 5
-        while store.health()["redis"] != "healthy":
+        while store.stats().tiers["redis"].health != "healthy":
             assert time.monotonic() < deadline
             time.sleep(0.05)
         save_chunks(store, range(2))
@@ -313,22 +366,16 @@ def test_redis_outage_is_misses_then_recovery(redis_factory):
         store.close()
 
 
-def test_lookup_with_a_stalled_redis_is_bounded(redis_factory):
+def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_factory):
     server = redis_factory()
-    spec = make_spec()
-    store = TieredStore.from_options(
-        spec, tiers="cpu,redis", redis_url=server.url, lookup_timeout_s=0.2
-    )
+    store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, lookup_timeout_s=0.2)
     try:
-        keys = save_chunks(store, range(2))
-        store.flush(["cpu"])
-        assert store.lookup(keys).tiers == ("redis", "redis")
+        save_sequence(store, 8, 4)
         server.pause()
         start = time.monotonic()
-        assert store.lookup(keys).num_chunks == 0
-        assert store.lookup(keys).num_chunks == 0  # unhealthy now: no second wait
-        assert time.monotonic() - start < 1.0
-        assert store.health()["redis"] == "unhealthy"
+        assert len(store.locate(sequence(8, 4), 0, 4)) == 4
+        assert store.probe(sequence(9, 4), 0, 4).result(5) == 0
+        assert time.monotonic() - start < 1.5
     finally:
         server.resume()
         store.close()
@@ -337,9 +384,7 @@ def test_lookup_with_a_stalled_redis_is_bounded(redis_factory):
 def test_load_timeout_always_resolves(redis_factory):
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(
-        spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=30
-    )
+    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=30)
     try:
         keys = save_chunks(store, range(2))
         server.pause()
@@ -351,19 +396,17 @@ def test_load_timeout_always_resolves(redis_factory):
         store.close()
 
 
-def test_cluster_store_roundtrip(redis_cluster):
-    store = TieredStore.from_options(
-        make_spec(torch.bfloat16), tiers="redis", redis_url=redis_cluster, compress="lz4"
-    )
-    try:
+def test_cluster_store_roundtrip_and_block_index(redis_cluster):
+    spec = make_spec(torch.bfloat16)
+    with TieredStore.from_options(spec, tiers="redis", redis_url=redis_cluster, compress="lz4") as store:
         keys = save_chunks(store, range(12))
         assert store.lookup(keys).tiers == ("redis",) * 12
         outs = outputs(store.spec, 12)
         assert all(store.load(keys, outs).result(10).ok)
         assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
+        with TieredStore.from_options(spec, tiers="redis", redis_url=redis_cluster) as reader:
+            assert reader.probe(sequence(5, BLOCKS), 0, BLOCKS).result(10) == BLOCKS
         assert store.flush() == {"redis": 12}
-    finally:
-        store.close()
 
 
 def test_flush_spares_other_models(open_store):
@@ -379,6 +422,7 @@ def test_stats_snapshot(open_store):
     store = open_store("cpu,disk")
     keys = save_chunks(store, range(2))
     store.load(keys, outputs(store.spec, 2)).result(10)
+    store.poll()
     snap = store.stats()
     cpu = snap.tiers["cpu"]
     assert cpu.counters["hits"] == 2 and cpu.hit_tokens == 2 * store.spec.chunk_tokens
@@ -388,7 +432,7 @@ def test_stats_snapshot(open_store):
     assert as_dict["tiers"]["cpu"]["put_latency"]["count"] == 2
 
 
-def test_misuse_raises_specific_errors(open_store, tmp_path):
+def test_misuse_raises_specific_errors(open_store):
     with pytest.raises(StoreConfigError):
         TieredStore.from_options(make_spec(), tiers="cpu,tape")
     with pytest.raises(StoreConfigError):
@@ -400,10 +444,12 @@ def test_misuse_raises_specific_errors(open_store, tmp_path):
     with pytest.raises(StoreConfigError):
         TieredStore.from_options(make_spec(), tiers="cpu", cpu_size=10)
     store = open_store("cpu")
-    key = store.key(block_hash(0))
+    key = record_key(store, 0)
     with pytest.raises(ChunkSpecError):
         store.save([key], [torch.zeros(3)])
     with pytest.raises(ChunkSpecError):
         store.load([key], [torch.zeros(store.spec.shape, dtype=torch.float16)])
     with pytest.raises(StoreConfigError):
-        store.key(b"short")
+        store.key([b"short"])
+    with pytest.raises(StoreConfigError):
+        store.key(sequence(0, BLOCKS), first_block=1)
