@@ -4,7 +4,7 @@ PYTHON ?= python3
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	$(PYTHON) -m pip install -q -e '.[test]' -e ./bench   # bench/: its own distribution (kvtier bench)
 	$(PYTHON) -m engine.cli download-model
 
 test: install
@@ -21,5 +21,5 @@ serve: install
 BENCH_WORKLOADS ?= $(shell $(PYTHON) -c "from bench.cli import WORKLOADS; print(' '.join(WORKLOADS))")
 
 bench: install
-	set -e; for workload in $(BENCH_WORKLOADS); do $(PYTHON) -m engine.cli bench $$workload; done
+	set -e; for workload in $(BENCH_WORKLOADS); do $(PYTHON) -m bench $$workload; done
 	$(PYTHON) -m bench.report

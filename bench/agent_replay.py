@@ -30,8 +30,9 @@ from bench.summary import describe_variants, later_summary, publish
 from bench.text_corpus import CorpusTokens
 
 NAME = "agent-replay"
-SMOKE = {"agents": 2, "turns": 2, "system_prompt_len": 16, "task_len": 48, "tool_output": [8, 16],
-         "answer_len": 4, "pause": [0.0, 0.05], "stagger": 0.0, "num_kv_blocks": 16, "variants": "no-offload,cpu"}
+SMOKE = {"agents": 3, "turns": 2, "system_prompt_len": 16, "task_len": 48, "tool_output": [8, 16],
+         "answer_len": 4, "pause": [0.0, 0.05], "stagger": 0.0, "num_kv_blocks": 12,
+         "kv_chunk_tokens": 16, "variants": "no-offload,cpu"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

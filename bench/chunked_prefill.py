@@ -20,10 +20,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
 from bench import plots
 from bench.common import markdown_table, median, percentile
+from bench.console import progress
 from bench.driver import (
     add_engine_args,
     engine_config,
@@ -158,7 +157,7 @@ def run_budgets(args: argparse.Namespace, corpus: CorpusTokens) -> dict[str, dic
     """Every budget once per repeat, budgets interleaved, a fresh engine each time."""
     runs: dict[str, dict] = {str(b): {"measurements": []} for b in args.budgets}
     plan = [(repeat, budget) for repeat in range(args.repeats) for budget in args.budgets]
-    for repeat, budget in tqdm(plan, desc="budget x repeat", leave=False):
+    for repeat, budget in progress(plan, desc="budget x repeat"):
         with variant_llm(args, {}, max_num_batched_tokens=budget) as llm:
             trace = measure(llm, args, corpus, repeat)
             runs[str(budget)]["engine_config"] = engine_config(llm)

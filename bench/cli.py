@@ -1,9 +1,19 @@
-"""`kvtier bench WORKLOAD`: dispatch to the benchmark modules under bench/."""
+"""`kvtier bench WORKLOAD` (also `kvtier-bench` and `python -m bench`): run one workload.
+
+The benchmarks are their own distribution (bench/pyproject.toml), not part of the
+engine's: the `kvtier` command finds `bench` through the `kvtier.commands` entry point
+that distribution declares (`register`), and nothing under engine/ imports bench.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import common, console
 
 WORKLOADS = {
     "engine": ("bench.engine_throughput", "engine vs transformers: mixed-batch throughput, prefill, decode"),
@@ -25,10 +35,42 @@ WORKLOADS = {
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     help_lines = "; ".join(f"{name}: {what}" for name, (_, what) in WORKLOADS.items())
+    parser.add_argument("--output-dir", type=Path, default=common.DEFAULT_RESULTS_DIR, metavar="DIR",
+                        help="Where the results go: WORKLOAD.json, .md, .png, and WORKLOAD.log with "
+                        "everything the run printed besides its progress bar and result "
+                        "(default: %(default)s).")
     parser.add_argument("workload", choices=sorted(WORKLOADS), help=help_lines)
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="Options of the workload (see WORKLOAD --help).")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="Options of the workload (see WORKLOAD --help); every one has --smoke.")
+
+
+def register(commands: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
+    """The `kvtier.commands` entry point: add `kvtier bench` and return what runs it."""
+    parser = commands.add_parser("bench", help="Run a benchmark workload (see `kvtier bench --help`).")
+    add_bench_arguments(parser)
+    return run_bench
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Run the workload with its results under --output-dir and its console captured
+    to WORKLOAD.log there (--help prints as usual)."""
     module = importlib.import_module(WORKLOADS[args.workload][0])
-    return module.main(args.bench_args)
+    if any(a in ("-h", "--help") for a in args.bench_args):
+        return module.main(args.bench_args)
+    common.set_results_dir(args.output_dir)
+    log = args.output_dir / f"{args.workload}.log"
+    with console.captured(log):
+        status = module.main(args.bench_args)
+    console.echo(f"results in {args.output_dir}/{args.workload}.{{json,md,png}}; log in {log}")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvtier-bench` / `python -m bench`."""
+    parser = argparse.ArgumentParser(prog="kvtier-bench", description=__doc__.splitlines()[0])
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
+DEFAULT_RESULTS_DIR = Path("bench/results")
+_results_dir = DEFAULT_RESULTS_DIR
 
-RESULTS_DIR = Path(os.environ.get("KVTIER_BENCH_DIR", "bench/results"))
+
+def set_results_dir(path: Path) -> None:
+    """Where write_result puts the files (`kvtier bench --output-dir`)."""
+    global _results_dir
+    _results_dir = Path(path)
+
+
+def results_dir() -> Path:
+    return _results_dir
 
 
 def machine_info() -> dict:
+    import torch
     import transformers
 
     return {
@@ -27,6 +38,19 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                     smoke_sizes: dict[str, object]) -> argparse.Namespace:
+    """Parse a workload's options, with `--smoke`: the sizes in `smoke_sizes` replace the
+    workload's (CI runs seconds, not minutes, and still goes through the store)."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="Tiny sizes for CI: checks that it runs and reaches the store, nothing more.")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for name, value in smoke_sizes.items():
+            setattr(args, name, value)
+    return args
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -48,10 +72,11 @@ def median(values: list[float]) -> float:
 
 
 def write_result(name: str, result: dict, markdown: str) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    directory = results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
-    (RESULTS_DIR / f"{name}.md").write_text(markdown)
+    (directory / f"{name}.md").write_text(markdown)
     return path
 
 

@@ -10,7 +10,7 @@ import argparse
 import random
 
 from bench import plots
-from bench.common import markdown_table, percentile
+from bench.common import markdown_table, parse_with_smoke, percentile
 from bench.kv_common import delta, flush_redis, hit_tokens, local_redis, numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -22,6 +22,9 @@ ROWS = {"instance_a": "A (computes, saves)", "b_shared": "B on A's documents", "
 AXIS = {"instance_a": "A", "b_shared": "B, A's documents", "b_cold": "B, new documents"}  # plot labels
 
 
+SMOKE = {"num_docs": 2, "doc_tokens": 64, "question_tokens": 4, "max_tokens": 2, "chunk_tokens": 16}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = workload_parser(NAME, __doc__, "a new document on instance B")
     p.add_argument("--num-docs", type=int, default=8)
@@ -31,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiers", default="redis", help="Store tiers of both instances (must include redis).")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default=None, help="Default: a private redis-server on loopback.")
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 def instance(args: argparse.Namespace, model: str, redis_url: str) -> LLM:

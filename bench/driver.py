@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import heapq
-import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
+from bench.common import parse_with_smoke
+from bench.console import progress
 from bench.text_corpus import passage_tokens
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
@@ -98,21 +97,17 @@ def add_engine_args(parser: argparse.ArgumentParser, num_kv_blocks: int, max_num
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     g.add_argument("--kv-offload-cpu-size", default="4GiB")
+    g.add_argument("--kv-chunk-tokens", type=int, default=256, help="Tokens per stored chunk (default 256).")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared CPU, threads that spin-wait for "
                         "each other make every op several times slower; 0 keeps torch's default).")
-    parser.add_argument("--smoke", action="store_true", help="Tiny sizes for CI: checks that it runs, nothing more.")
 
 
 def parse_workload_args(parser: argparse.ArgumentParser, argv: list[str],
                         smoke_sizes: dict[str, object]) -> argparse.Namespace:
-    """Parse; with --smoke replace the workload sizes by `smoke_sizes` (CI runs seconds,
-    not minutes); apply --threads."""
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for name, value in smoke_sizes.items():
-            setattr(args, name, value)
+    """Parse (`--smoke` picks `smoke_sizes`); apply --threads."""
+    args = parse_with_smoke(parser, argv, smoke_sizes)
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
@@ -135,6 +130,7 @@ def engine_options(args: argparse.Namespace, **overrides: object) -> dict[str, o
         "model": args.model, "dtype": args.dtype, "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed, "kv_offload_cpu_size": args.kv_offload_cpu_size,
+        "kv_chunk_tokens": args.kv_chunk_tokens,
     }
     options.update(overrides)
     return options
@@ -160,7 +156,8 @@ def warm_up(llm: LLM) -> None:
 
 
 def engine_config(llm: LLM) -> dict[str, object]:
-    return json.loads(json.dumps(dataclasses.asdict(llm.engine.config), default=str))
+    """The engine's options as JSON (sizes spelled with their unit), its secret left out."""
+    return llm.engine.config.model_dump(mode="json", exclude={"kv_secret"})
 
 
 # ---- sampling -----------------------------------------------------------------------------
@@ -184,7 +181,7 @@ def replay(llm: LLM, sessions: Sequence[Session], desc: str) -> Run:
         _push(queue, index, 0, session.next_turn(None, 0.0))
     in_flight: dict[str, tuple[int, int, Turn]] = {}
     records: list[Record] = []
-    with tqdm(total=sum(s.num_turns for s in sessions), desc=desc, leave=False) as bar:
+    with progress(total=sum(s.num_turns for s in sessions), desc=desc) as bar:
         while queue or engine.has_unfinished_requests():
             _release_due(llm, queue, in_flight, start)
             if not engine.has_unfinished_requests():

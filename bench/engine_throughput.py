@@ -34,17 +34,23 @@ import torch
 import uvicorn
 
 from bench import hf_baselines, plots
-from bench.common import markdown_table, median
+from bench.common import markdown_table, median, parse_with_smoke
 from bench.profiling import profile_call, profile_note, profile_tables
 from bench.summary import publish, run_stamp, workload_parser
 from bench.text_corpus import MODULES, CorpusTokens, module_text
 from engine import LLM, SamplingParams
 from engine.builtin_models import resolve_model
+from engine.config import ServerConfig
 
 NAME = "engine"
 COPY_BYTES = 256 * 1024**2  # the memcpy buffer: far larger than any cache
 ENGINE, HF = "engine (continuous batching)", "transformers generate (static batches)"
 PARTS = ("prefill", "decode", "decode_batch", "mixed", "stream_gap")
+
+
+SMOKE = {"prefill_lens": [32, 64], "repeats": 1, "decode_context": 40, "decode_steps": 3, "batch_decode": 3,
+         "batch_context": 20, "num_prompts": 3, "prompt_len": [8, 24], "output_len": [2, 6], "hf_batch_size": 2,
+         "big_prompt_bytes": 200_000, "stream_tokens": 24}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -63,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Size of the text prompt posted during the stream.")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="The parts to run (default: all).")
     p.add_argument("--stream-tokens", type=int, default=256, help="Tokens of the streamed completion.")
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 @dataclass
@@ -198,10 +204,9 @@ def stream_gap(llm: LLM, stream_prompt: list[int], args: argparse.Namespace) -> 
     """Serve `llm`'s engine; the longest gap of a streamed completion while a big text
     prompt is posted. The engine belongs to the server afterwards."""
     from engine.server.api_server import build_app
-    from engine.server.cli_args import ServerSettings
     from engine.server.state import create_state
 
-    settings = ServerSettings(log_level="warning")
+    settings = ServerConfig(log_level="warning")
     state = create_state(llm.engine, settings, ("bench",))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

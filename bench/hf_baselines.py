@@ -25,7 +25,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -38,6 +37,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
+from bench.console import progress
 from bench.driver import Record, Run
 
 PAD_ID = 0
@@ -99,7 +99,7 @@ def static_batches(model: PreTrainedModel, prompts: Sequence[list[int]], max_tok
     records: list[Record] = []
     start, cpu_start = time.perf_counter(), time.process_time()
     batches = range(0, len(prompts), batch_size)
-    for first in tqdm(batches, desc=f"transformers generate batch={batch_size}", leave=False):
+    for first in progress(batches, desc=f"transformers generate batch={batch_size}"):
         rows = slice(first, first + batch_size)
         records += _static_batch(model, prompts[rows], lengths[rows], tag)
     return Run(records, time.perf_counter() - start, time.process_time() - cpu_start)
@@ -154,7 +154,7 @@ def _closed_loop(manager: ContinuousBatchingManager, prompts: Sequence[list[int]
     for index in range(min(concurrency, len(prompts))):
         submit(index)
     records: list[Record] = []
-    with tqdm(total=len(prompts), desc=f"transformers continuous batching c={concurrency}", leave=False) as bar:
+    with progress(total=len(prompts), desc=f"transformers continuous batching c={concurrency}") as bar:
         while len(records) < len(prompts):
             result = manager.get_result(timeout=RESULT_POLL_S)
             if result is None or not result.is_finished():

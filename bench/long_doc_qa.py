@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench import plots
-from bench.common import markdown_table, percentile
+from bench.common import markdown_table, parse_with_smoke, percentile
 from bench.kv_common import (
     STORE_CONFIGS,
     delta,
@@ -59,6 +59,10 @@ ROUND_ORDERS = ("in order", "same order", "reverse")
 REFERENCE = "device-hit"  # the engine whose pool holds every document
 WARM_UP_TOKENS = 512
 MEMCPY_BYTES = 64 << 20
+
+
+SMOKE = {"num_docs": 4, "doc_tokens": 320, "question_tokens": 4, "max_tokens": 2, "chunk_tokens": 64,
+         "concurrency": [1, 2], "configs": ["none", "cpu", "disk"]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,7 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Without a database number (each store gets its own). Default: a private "
                         "redis-server on loopback.")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 # ---- workload ------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ from bench.summary import describe_variants, publish
 from bench.text_corpus import CorpusTokens
 
 NAME = "multi-round-qa"
-SMOKE = {"users": 2, "rounds": 2, "system_prompt_len": 32, "history_len": 48, "question_len": 8,
-         "answer_len": 4, "qps": 50.0, "num_kv_blocks": 16, "variants": "no-offload,cpu"}
+SMOKE = {"users": 4, "rounds": 2, "system_prompt_len": 32, "history_len": 48, "question_len": 8,
+         "answer_len": 4, "qps": 50.0, "num_kv_blocks": 12, "kv_chunk_tokens": 16,
+         "variants": "no-offload,cpu"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -85,7 +85,7 @@ def _bars(ax, panel: Panel) -> None:
 
 def png_path(name: str) -> Path:
     """Where a workload's figure goes: next to its JSON and Markdown results."""
-    return (_redirects[-1] if _redirects else common.RESULTS_DIR) / f"{name}.png"
+    return (_redirects[-1] if _redirects else common.results_dir()) / f"{name}.png"
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import random
 import time
 
 from bench import plots
-from bench.common import markdown_table, percentile
+from bench.common import markdown_table, parse_with_smoke, percentile
 from bench.kv_common import numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -28,6 +28,10 @@ MODES = {
 }
 
 
+SMOKE = {"num_prompts": 3, "prompt_len": 32, "output_len": 8, "concurrency": 3, "capacity_fraction": 0.5,
+         "chunk_tokens": 16}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = workload_parser(NAME, __doc__, "one wave of requests in recompute mode")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -37,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--capacity-fraction", type=float, default=0.33,
                    help="Device pool / what `concurrency` requests need at their longest.")
     p.add_argument("--chunk-tokens", type=int, default=256)
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 def make_prompts(args: argparse.Namespace, corpus: CorpusTokens) -> list[list[int]]:

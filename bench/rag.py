@@ -37,8 +37,8 @@ from bench.text_corpus import CorpusTokens
 
 NAME = "rag"
 FIRST = "first"
-SMOKE = {"documents": 4, "doc_len": 40, "k": 3, "queries": 2, "system_prompt_len": 16, "question_len": 4,
-         "answer_len": 2, "chunk_tokens": [16, 32], "num_kv_blocks": 24}
+SMOKE = {"documents": 4, "doc_len": 40, "k": 3, "queries": 4, "system_prompt_len": 16, "question_len": 4,
+         "answer_len": 2, "chunk_tokens": [16, 32], "num_kv_blocks": 12}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -190,7 +190,7 @@ def build(results: list[Result], out: Path, img_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    p.add_argument("--results-dir", type=Path, default=common.DEFAULT_RESULTS_DIR)
     p.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     p.add_argument("--img-dir", type=Path, default=Path("docs/img"))
     args = p.parse_args(argv)

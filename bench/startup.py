@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from bench import plots
-from bench.common import markdown_table, median
+from bench.common import markdown_table, median, parse_with_smoke
 from bench.summary import publish, run_stamp
 from engine.builtin_models import builtin_path, smollm2_gguf_path
 
@@ -31,16 +31,15 @@ print(json.dumps({"import_s": imported - started, "llm_s": built - imported}))
 """
 
 
+SMOKE = {"repeats": 1}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"kvtier bench {NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--smoke", action="store_true", help="One repeat (CI).")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.repeats = 1
-    return args
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 def start_once(model: str, dtype: str) -> dict[str, float]:

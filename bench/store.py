@@ -36,7 +36,7 @@ import torch
 from redis.utils import HIREDIS_AVAILABLE
 
 from bench import plots
-from bench.common import markdown_table
+from bench.common import markdown_table, parse_with_smoke
 from bench.kv_common import local_redis
 from bench.summary import publish, run_stamp
 from kvstore import ChunkSpec, TieredStore, host_copy
@@ -54,6 +54,10 @@ Figures = tuple[float, float, float]  # best reference GB/s, best store GB/s, me
 
 def NOTHING() -> None:
     return None
+
+
+SMOKE = {"chunks": 4, "batch": 2, "repeats": 1, "layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 4,
+         "chunk_tokens": 8, "skip_model_kv": True}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--skip-model-kv", action="store_true", help="Skip capturing KV of the built-in model."
     )
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 def best_gbps(

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench import plots
-from bench.common import markdown_table, median, percentile
+from bench.common import markdown_table, median, parse_with_smoke, percentile
 from bench.kv_common import (
     delta,
     drop_page_cache,
@@ -54,7 +54,10 @@ MODULES = ("json", "argparse", "pathlib", "logging", "collections", "itertools",
 QUESTIONS = ("Question: which functions does this module define, and what does the first one return?",
              "Question: summarize in one sentence what this module is for.")
 WARM_UP_TOKENS = 256
-CPU_TIER_BYTES = 1024**3  # every document's records, with room to spare
+CPU_TIER_SIZE = "1GiB"  # every document's records, with room to spare
+
+
+SMOKE = {"num_docs": 2, "doc_tokens": 64, "max_tokens": 2, "chunk_tokens": 32}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -72,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Evict the disk records from the page cache before rounds 2 and 3.")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default=None, help="Default: a private redis-server on loopback.")
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -126,7 +129,7 @@ class Engines:
             return {"kv_offload_disk_path": str(self.workdir / "disk")}
         if tier == "redis":
             return {"kv_redis_url": self.redis_url}
-        return {"kv_offload_cpu_size": CPU_TIER_BYTES}
+        return {"kv_offload_cpu_size": CPU_TIER_SIZE}
 
     def add(self, name: str, pool: float | None = None, **options) -> None:
         blocks = pool_blocks(self.args, pool or self.args.pool_fraction)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import machine_info, markdown_table, median, percentile, write_result
+from bench.console import echo
 from bench.driver import Record, Run
 from bench.profiling import profile_sentence
 from engine.builtin_models import resolve_model
@@ -229,4 +230,4 @@ def publish(name: str, result: dict, markdown: str) -> None:
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     result["load_average_end"] = os.getloadavg()
     write_result(name, result, markdown)
-    print(markdown)
+    echo(markdown)

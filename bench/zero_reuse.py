@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import plots
-from bench.common import markdown_table, median
+from bench.common import markdown_table, median, parse_with_smoke
 from bench.kv_common import STORE_CONFIGS, delta, local_redis, numeric_stats, serve, store_options
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -33,6 +33,10 @@ from engine import LLM, SamplingParams
 
 NAME = "zero-reuse"
 TARGET = 0.97  # offload output tok/s / no-offload output tok/s
+
+
+SMOKE = {"num_prompts": 3, "prompt_len": 48, "output_len": 4, "concurrency": 2, "chunk_tokens": 32,
+         "configs": ["none", "cpu+disk"], "repeats": 2}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Passes over the configurations, interleaved, each with its own prompts (default 3).")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--redis-url", default=None)
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, SMOKE)
 
 
 def length_range(args: argparse.Namespace) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from kvstore import ChunkSpec, StoreConfigError, TieredStore
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    chunk_tokens: int = 256
+    chunk_tokens: int
     save_decode: bool = False
 
 

@@ -1,130 +1,166 @@
-"""Engine options as command-line flags (shared by `kvtier generate`, `serve` and `bench`)."""
+"""The config tree (engine.config) as command-line flags and a `--config FILE.yaml`.
+
+Each option of the sections a command takes becomes one flag with the field's help;
+no flag has a value of its own (argparse only splits the command line), so every value,
+whatever its source, is validated once, by the tree. Precedence, highest first: a flag
+on the command line, a key of the config file, the option's environment variable (only
+the few options that name one, such as --admin-token), the tree's default.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
 
-from engine.config import DTYPES, ConfigError, EngineConfig, parse_size
+import yaml
 
-_HELP = {
-    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a "
-    ".gguf file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 "
-    "(SmolLM2-135M-Instruct, installed by `kvtier download-model`).",
-    "tokenizer": "Tokenizer directory, when it differs from --model.",
-    "chat_template": "Chat template to use instead of the model's: a Jinja file, or the "
-    "template itself (a value with braces or a newline).",
-    "dtype": "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
-    "file: its float type, bfloat16 when quantized).",
-    "device": "auto (CUDA when available), cpu, cuda or cuda:N.",
-    "seed": "Seed for weight-independent randomness (sampling without a per-request seed).",
-    "block_size": "Tokens per KV-cache block (power of two).",
-    "num_kv_blocks": "Size the device KV pool in blocks (overrides --kv-cache-memory).",
-    "kv_cache_memory": "Size the device KV pool in bytes, e.g. 2GiB. "
-    "Default: 1GiB on CPU, half the free GPU memory on CUDA.",
-    "max_model_len": "Longest prompt + output in tokens. Default: the model's max_position_embeddings.",
-    "max_num_seqs": "Most requests running in one step.",
-    "max_num_batched_tokens": "Token budget of one step (prefill chunks plus decodes).",
-    "enable_prefix_caching": "Reuse KV blocks of identical prefixes on the device.",
-    "preemption_mode": "What happens to a preempted request's KV: offload (to the cpu tier; "
-    "the default when it exists) or recompute.",
-    "attention_backend": "auto (Triton on CUDA, torch elsewhere), torch or triton.",
-    "kv_offload": "Comma-separated offload tiers below the device: any of cpu, disk, redis.",
-    "kv_offload_cpu_size": "Byte budget of the cpu tier, e.g. 4GiB.",
-    "kv_offload_disk_path": "Directory of the disk tier (default: ~/.cache/kvtier/kv). "
-    "Several instances may share it.",
-    "kv_offload_disk_size": "Byte budget of the disk tier, e.g. 32GiB.",
-    "kv_redis_url": "Redis tier URL: redis://host:port, rediss://:password@host:port, "
-    "or redis+cluster://host:port,host:port.",
-    "kv_chunk_tokens": "Tokens per stored chunk (a multiple of --block-size).",
-    "kv_compress": "Compression of records below the cpu tier: lz4 or none.",
-    "kv_secret": "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
-    "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
-    "--kv-secret-file, command lines are visible to other users.",
-    "kv_secret_file": "File holding the --kv-secret (its text without the trailing newline).",
-    "kv_save_decode": "Also save chunks completed during decoding, not only prompt chunks.",
-    "kv_load_timeout": "Seconds to wait for a disk/redis load before recomputing instead.",
-    "kv_blend_recompute_ratio": "Blended (segmented) prompts: the fraction of the tokens with stored "
-    "segment KV that is recomputed in context (0: none, 1: a full prefill).",
-    "kv_blend_separator": "A string that marks segment boundaries in text prompts (system prompt, "
-    "documents, question): such prompts are blended, each document reusing its stored KV "
-    "wherever it appears. The separator is not part of the prompt.",
-    "max_logprobs": "Most top logprobs a request may ask for (completions `logprobs`, chat "
-    "`top_logprobs`); more is refused.",
+from engine.config import (
+    ConfigError,
+    EngineConfig,
+    ModelOptions,
+    Options,
+    SchedulerOptions,
+    StoreOptions,
+    flag_name,
+    format_size,
+    option_meta,
+)
+
+# Sections made of several (EngineConfig is the model, scheduler and store sections).
+_PARTS: dict[type[Options], tuple[type[Options], ...]] = {
+    EngineConfig: (ModelOptions, SchedulerOptions, StoreOptions),
 }
-_SIZE_OPTIONS = {"kv_cache_memory", "kv_offload_cpu_size", "kv_offload_disk_size"}
-_CHOICES = {
-    "dtype": DTYPES,
-    "preemption_mode": ("offload", "recompute"),
-    "attention_backend": ("auto", "torch", "triton"),
-    "kv_compress": ("lz4", "none"),
-}
+_SIZE_METAVARS = ("SIZE", "GiB")
+MODEL_POSITIONAL = "model_tag"  # the dest of `kvtier serve MODEL`
 
 
-def _size(option: str):
-    def parse(text: str) -> int:
-        try:
-            return parse_size(text, option)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from exc
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *sections: type[Options], model_positional: bool = False
+) -> None:
+    """Add `--config` and one flag per option of `sections`, in their help groups; with
+    `model_positional`, also the model as an optional first argument (`kvtier serve
+    MODEL`, as `vllm serve MODEL`), which counts as --model."""
+    if model_positional:
+        parser.add_argument(MODEL_POSITIONAL, nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
+                            help="The model, as --model takes it (give one of the two).")
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", default=None,
+        help="Options from a YAML file: keys are the flag names without the leading dashes "
+        "(max-num-seqs or max_num_seqs). A flag on the command line overrides the file.")
+    for section in sections:
+        for part in _PARTS.get(section, (section,)):
+            group = parser.add_argument_group(part.title)
+            for name, field in part.model_fields.items():
+                _add_flag(group, name, field)
 
-    parse.__name__ = "size"
-    return parse
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, field: Any) -> None:
+    meta = option_meta(field)
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": _help(field, meta)}
+    if field.annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        choices = _choices(field.annotation)
+        kwargs["metavar"] = meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices else _metavar(field))
+        if _is_tuple(field.annotation) and name != "kv_offload":
+            kwargs["nargs"] = "+"
+    group.add_argument(flag_name(name), **kwargs)
 
 
-def _positive_int(text: str) -> int:
+def _help(field: Any, meta: dict[str, Any]) -> str:
+    text = field.description or ""
+    default = field.default
+    if meta.get("metavar") in _SIZE_METAVARS and isinstance(default, int):
+        default = format_size(default)
+    if default not in (None, ()) and field.repr:
+        text += f" (default: {default})"
+    if meta.get("env"):
+        text += " Also read from " + ", else ".join(f"${name}" for name in meta["env"]) + "."
+    return text.replace("%", "%%")
+
+
+def _metavar(field: Any) -> str:
+    return "N" if "int" in str(field.annotation) else "VALUE"
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            if typing.get_origin(arg) is Literal:
+                return typing.get_args(arg)
+    return ()
+
+
+def _is_tuple(annotation: Any) -> bool:
+    base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
+    return typing.get_origin(base) is tuple
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The options of a YAML config file, keyed by option name (dashes become underscores)."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of option: value, got {type(data).__name__}")
+    return {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per EngineConfig field; defaults come from EngineConfig."""
-    defaults = EngineConfig.__dataclass_fields__
-    group = parser.add_argument_group("engine options")
-    for name in EngineConfig.option_names():
-        flag = "--" + name.replace("_", "-")
-        default = defaults[name].default
-        help_text = _HELP[name] + (f" (default: {default})" if default not in (None, ()) else "")
-        if isinstance(default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif name in _SIZE_OPTIONS:
-            group.add_argument(flag, type=_size(name), default=None, help=help_text, metavar="SIZE")
-        elif name in _CHOICES:
-            group.add_argument(flag, choices=_CHOICES[name], default=None, help=help_text)
-        elif isinstance(default, int) or name in ("num_kv_blocks", "max_model_len"):
-            kind = int if name in ("seed", "max_logprobs") else _positive_int
-            group.add_argument(flag, type=kind, default=None, help=help_text)
-        elif isinstance(default, float):
-            group.add_argument(flag, type=float, default=None, help=help_text)
-        else:
-            group.add_argument(flag, type=str, default=None, help=help_text)
+def load_options(args: argparse.Namespace, *sections: type[Options]) -> list[Options]:
+    """Build each section from the parsed flags, the --config file, environment
+    variables and defaults (in that order of precedence). ConfigError names the flag."""
+    path = getattr(args, "config", None)
+    from_file = read_config_file(path) if path else {}
+    known = {name for section in sections for name in section.model_fields}
+    unknown = sorted(set(from_file) - known)
+    if unknown:
+        raise ConfigError("config", f"{path}: {unknown[0]!r} is not an option of this command")
+    _fold_model_positional(args)
+    built = []
+    for section in sections:
+        values: dict[str, Any] = {}
+        for name, field in section.model_fields.items():
+            from_env = [os.environ[var] for var in option_meta(field).get("env", ()) if os.environ.get(var)]
+            if from_env:
+                values[name] = from_env[0]
+            if name in from_file:
+                values[name] = from_file[name]
+            if hasattr(args, name):
+                values[name] = getattr(args, name)
+        try:
+            built.append(section(**values))
+        except ConfigError as exc:
+            if exc.option in from_file and not hasattr(args, exc.option):
+                raise ConfigError(exc.option, f"{exc.message} (set in {path})") from None
+            raise
+    return built
 
 
-def add_model_positional(parser: argparse.ArgumentParser) -> None:
-    """`kvtier serve MODEL`, as `vllm serve MODEL`: the model as the first argument."""
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                        help="The model to serve, as --model takes it (give one of the two).")
+def _fold_model_positional(args: argparse.Namespace) -> None:
+    """MODEL given as the first argument is --model (a flag: it beats the config file)."""
+    positional = getattr(args, MODEL_POSITIONAL, None)
+    if positional is None:
+        return
+    flag = getattr(args, "model", positional)
+    if flag != positional:
+        raise ConfigError(
+            "model", f"the model is given twice, as MODEL {positional!r} and as --model {flag!r}; "
+            "give one of them")
+    args.model = positional
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the EngineConfig from parsed flags (unset flags keep EngineConfig defaults)."""
-    given = {
-        name: getattr(args, name)
-        for name in EngineConfig.option_names()
-        if getattr(args, name, None) is not None
-    }
-    positional = getattr(args, "model_tag", None)
-    if positional is not None:
-        if given.get("model", positional) != positional:
-            raise ConfigError(
-                "model", f"the model is given twice, as MODEL {positional!r} and as --model "
-                f"{given['model']!r}; give one of them"
-            )
-        given["model"] = positional
-    if given.get("kv_compress") == "none":
-        given["kv_compress"] = None
-    return EngineConfig(**given)
+    """The EngineConfig of a command that takes the engine options."""
+    (config,) = load_options(args, EngineConfig)
+    return config

@@ -1,13 +1,16 @@
-"""The `kvtier` command: serve | generate | bench | download-model | make-model."""
+"""The `kvtier` command: serve | generate | download-model | make-model, and the commands
+of installed plugins (the `kvtier.commands` entry points: `bench`, from bench/)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
+from collections.abc import Callable
 
-from engine.arg_utils import add_engine_arguments, add_model_positional, config_from_args
+from engine.arg_utils import add_config_arguments, config_from_args, load_options
 from engine.builtin_models import BUILTIN_MODELS, builtin_names_help
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig, ServerConfig
 from engine.models import ModelLoadError, UnsupportedArchitectureError
 
 
@@ -31,11 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server.", usage="kvtier serve [MODEL] [options]"
     )
-    add_model_positional(serve)
-    add_engine_arguments(serve)
-    from engine.server.cli_args import add_server_arguments
-
-    add_server_arguments(serve)
+    add_config_arguments(serve, EngineConfig, ServerConfig, model_positional=True)
 
     gen = commands.add_parser("generate", help="Generate text for one or more prompts offline.")
     gen.add_argument("--prompt", action="append", required=True, help="A prompt (repeat for several).")
@@ -47,12 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", dest="chat", action="store_false",
                      help="Complete each prompt as raw text. By default a model with a chat "
                      "template gets each prompt as a user message.")
-    add_engine_arguments(gen)
+    add_config_arguments(gen, EngineConfig)
 
-    bench = commands.add_parser("bench", help="Run a benchmark workload (see `kvtier bench --help`).")
-    from bench.cli import add_bench_arguments
-
-    add_bench_arguments(bench)
 
     download = commands.add_parser(
         "download-model", help="Install a built-in model into the user cache (once; then offline)."
@@ -68,16 +63,47 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--architecture", default="llama", choices=("llama", "mistral", "qwen2", "qwen3"))
     make.add_argument("--preset", default="default", choices=("default", "tiny"))
     make.add_argument("--seed", type=int, default=0)
+    for name, handler in _COMMANDS.items():
+        commands.choices[name].set_defaults(handler=handler)
+    _add_plugins(commands)
     return parser
+
+
+PLUGIN_GROUP = "kvtier.commands"
+# Plugins the project knows of, and how to get them when they are not installed.
+KNOWN_PLUGINS = {"bench": "the benchmarks: `pip install -e bench/` in a checkout, or `python -m bench`"}
+
+
+def _add_plugins(commands: argparse._SubParsersAction) -> None:
+    """Each `kvtier.commands` entry point is `register(commands) -> handler`: it adds its
+    subcommand and returns what runs it. A known plugin that is not installed still gets
+    its subcommand, which says how to install it."""
+    for entry in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        if entry.name not in commands.choices:
+            handler: Callable[[argparse.Namespace], int] = entry.load()(commands)
+            commands.choices[entry.name].set_defaults(handler=handler)
+    for name, how in KNOWN_PLUGINS.items():
+        if name not in commands.choices:
+            missing = commands.add_parser(name, help=f"Not installed: {how}.", add_help=False)
+            missing.add_argument("rest", nargs=argparse.REMAINDER)
+            missing.set_defaults(handler=_not_installed(name, how))
+
+
+def _not_installed(name: str, how: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        print(f"kvtier {name}: not installed; {how}", file=sys.stderr)
+        return 2
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        return args.handler(args)
     except (ConfigError, ModelLoadError, UnsupportedArchitectureError) as exc:
-        parser.exit(2, f"kvtier: error: {exc}\n")
+        parser.exit(2, f"kvtier {args.command}: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
 
@@ -107,13 +133,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from engine.server.api_server import serve
 
-    return serve(config_from_args(args), args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from bench.cli import run_bench
-
-    return run_bench(args)
+    config, settings = load_options(args, EngineConfig, ServerConfig)
+    return serve(config, settings)
 
 
 def _download_model(args: argparse.Namespace) -> int:
@@ -131,7 +152,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
-    "serve": _serve, "generate": _generate, "bench": _bench,
+    "serve": _serve, "generate": _generate,
     "download-model": _download_model, "make-model": _make_model,
 }
 

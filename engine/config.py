@@ -1,56 +1,452 @@
-"""Engine options: one dataclass whose field names are the CLI flags with underscores."""
+"""The config tree: every engine, store and server option, defined once.
+
+Sections are pydantic models (`ModelOptions`, `SchedulerOptions`, `StoreOptions`,
+`ServerConfig`); `EngineConfig` is the model, scheduler and store sections together, what
+`LLM(...)` and `LLMEngine` take. A field is one option under three spellings: its name
+is the `LLM(...)` keyword, with dashes it is the flag (`kv_offload_cpu_size` ->
+`--kv-offload-cpu-size`), and either spelling is a key of a `--config FILE.yaml`. Its
+description is the flag's help; `engine.arg_utils` generates the flags from the tree.
+
+Validation happens here and only here: a field's type (pydantic), then the checks across
+fields, then the store's own (kvstore.StoreConfig, whose field names map to flags below).
+Every failure is a `ConfigError` naming the option.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
 
-OFFLOAD_TIERS = ("cpu", "disk", "redis")
+from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
+from kvstore.errors import StoreConfigError
+from tiers.disk import FSYNC_POLICIES
+
+GiB = 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+OFFLOAD_TIERS = TIER_ORDER
+ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+API_KEY_ENVS = ("KVTIER_API_KEY", "VLLM_API_KEY")  # the first one set wins
+MIN_ADMIN_TOKEN_CHARS = 16
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
 
 
 class ConfigError(ValueError):
-    """An engine option has a bad value; `option` names the flag."""
+    """An option has a bad value. `option` is its field name; the message names it as a
+    flag (`--kv-offload-cpu-size: ...`), or as a keyword after `as_keyword()` (LLM(...))."""
 
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(f"--{option.replace('_', '-')}: {message}")
-        self.option = option
+    def __init__(self, option: str, message: str, *, keyword: bool = False) -> None:
+        self.option, self.message, self.keyword = option, message, keyword
+        super().__init__(f"{option if keyword else flag_name(option)}: {message}")
 
-
-def parse_size(text: str | int, option: str = "size") -> int:
-    """Parse '4GiB', '512MiB', '1.5GB' or a plain byte count into bytes."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(option, f"size must be >= 0, got {text}")
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ConfigError(option, f"cannot parse size {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    def as_keyword(self) -> ConfigError:
+        return ConfigError(self.option, self.message, keyword=True)
 
 
-def parse_offload(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    """Parse 'cpu,disk' into ('cpu', 'disk'), keeping the canonical tier order."""
-    if value is None or value == "" or value == "none":
+# ---- sizes --------------------------------------------------------------------------------
+
+_SIZE_UNITS = {
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": GiB, "gib": GiB,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+# A bare number this large is a byte count written without its unit, not GiB.
+_BARE_GIB_LIMIT = 1024**2
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes of a memory size: a bare number is GiB (as in vLLM: `4` = 4 GiB, `0.5` =
+    512 MiB); a unit makes it explicit: `512MiB`, `2GB` (decimal), `1048576B` (bytes).
+    Raises ValueError with the reason."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 4 (GiB) or 512MiB, got {value!r}")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None or match.group(2).lower() not in ("", *_SIZE_UNITS):
+            raise ValueError(f"cannot parse size {value!r} (examples: 4 = 4GiB, 512MiB, 2GB, 1048576B)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number < 0:
+        raise ValueError(f"size must be >= 0, got {value!r}")
+    if not unit:
+        if number >= _BARE_GIB_LIMIT:
+            raise ValueError(f"a bare number is GiB, so {value!r} is {value} GiB; write bytes as {value}B")
+        return int(number * GiB)
+    return int(number * _SIZE_UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling of `nbytes` that parse_size reads back."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def _tiers(value: Any) -> tuple[str, ...]:
+    if not value or value == "none":
         return ()
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = [n.strip().lower() for n in names if n.strip()]
-    unknown = [n for n in names if n not in OFFLOAD_TIERS]
-    if unknown:
-        raise ConfigError("kv_offload", f"unknown tier {unknown[0]!r}; choose from {', '.join(OFFLOAD_TIERS)}")
-    return tuple(t for t in OFFLOAD_TIERS if t in names)
+    try:
+        return parse_tiers(value)
+    except StoreConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _block_size(value: int) -> int:
+    if value <= 0 or value & (value - 1):
+        raise ValueError(f"must be a positive power of two, got {value}")
+    return value
+
+
+def _device(value: str) -> str:
+    if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
+        raise ValueError(f"{value!r} is not auto, cpu or cuda[:N]")
+    return value
+
+
+# dumped as its exact spelling with a unit, so that a dump rebuilds the same config
+Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(lambda n: format_size(n), return_type=str)]
+Tiers = Annotated[tuple[str, ...], BeforeValidator(_tiers)]
+Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+_STORE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
+STORE_DEFAULT = object()  # an option whose default is its kvstore.StoreConfig field's
+
+
+def option(default: Any, help: str, *, metavar: str | None = None, env: tuple[str, ...] = (),
+           store: str | None = None, secret: bool = False) -> Any:
+    """A field of the tree. `store` names the kvstore.StoreConfig field it feeds (its
+    default is taken from there when `default` is `STORE_DEFAULT`); `env` environment
+    variables read, the first one set, when neither flag nor config file sets it."""
+    if default is STORE_DEFAULT:
+        default = _STORE_DEFAULTS[store]
+    extra = {"metavar": metavar, "env": list(env), "store": store}
+    return Field(default, description=help, repr=not secret, json_schema_extra=extra)
+
+
+def option_meta(field: FieldInfo) -> dict[str, Any]:
+    return field.json_schema_extra or {}
+
+
+# ---- the tree -----------------------------------------------------------------------------
+
+
+class Options(BaseModel):
+    """A section of the tree. Construction validates every field and raises ConfigError."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=False)
+    title: ClassVar[str] = "options"
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(exc) from None
+        self.check()
+
+    def check(self) -> None:
+        """Checks across fields (after every field has its type)."""
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return list(cls.model_fields)
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    error = exc.errors()[0]
+    option = str(error["loc"][0]) if error["loc"] else "config"
+    if error["type"] == "extra_forbidden":
+        return ConfigError(option, "is not an option")
+    message = error["msg"].removeprefix("Value error, ")
+    return ConfigError(option, f"{message}, got {error['input']!r}" if error["type"] != "value_error" else message)
+
+
+class ModelOptions(Options):
+    title: ClassVar[str] = "model options"
+
+    model: str | None = option(
+        None, "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a .gguf "
+        "file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 (SmolLM2-135M-Instruct, "
+        "installed by `kvtier download-model`).", metavar="MODEL")
+    tokenizer: str | None = option(None, "Tokenizer directory, when it differs from --model.", metavar="DIR")
+    chat_template: str | None = option(
+        None, "Chat template to use instead of the model's: a Jinja file, or the template itself "
+        "(a value with braces or a newline).", metavar="TEMPLATE")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
+        "file: its float type, bfloat16 when quantized).")
+    device: Annotated[str, AfterValidator(_device)] = option(
+        "auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
+    seed: int = option(0, "Seed for weight-independent randomness (sampling without a per-request seed).")
+    max_logprobs: Annotated[int, Field(ge=0)] = option(
+        20, "Most top logprobs a request may ask for (completions `logprobs`, chat `top_logprobs`); "
+        "more is refused.", metavar="N")
+
+    def _check_model(self) -> None:
+        if self.chat_template is not None:  # a file becomes its text: a copy rebuilds the same
+            self.chat_template = load_chat_template(self.chat_template)
+
+
+class SchedulerOptions(Options):
+    title: ClassVar[str] = "device cache and scheduler options"
+
+    block_size: Annotated[int, AfterValidator(_block_size)] = option(
+        16, "Tokens per KV-cache block (a power of two).")
+    num_kv_blocks: PositiveInt | None = option(
+        None, "Size the device KV pool in blocks (overrides --kv-cache-memory).")
+    kv_cache_memory: Size | None = option(
+        None, "Size the device KV pool in memory: GiB, or with a unit (512MiB). "
+        "Default: 1GiB on CPU, half the free GPU memory on CUDA.", metavar="SIZE")
+    max_model_len: PositiveInt | None = option(
+        None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings.")
+    max_num_seqs: PositiveInt = option(64, "Most requests running in one step.")
+    max_num_batched_tokens: PositiveInt = option(
+        2048, "Token budget of one step (prefill chunks plus decodes).")
+    enable_prefix_caching: bool = option(True, "Reuse KV blocks of identical prefixes on the device.")
+    preemption_mode: Literal["offload", "recompute"] | None = option(
+        None, "What happens to a preempted request's KV: offload (to the cpu tier; the default "
+        "when it exists) or recompute.")
+    attention_backend: Literal["auto", "torch", "triton"] = option(
+        "auto", "auto (Triton on CUDA, torch elsewhere), torch or triton.")
+    kv_blend_recompute_ratio: Annotated[float, Field(ge=0, le=1)] = option(
+        0.15, "Blended (segmented) prompts: the fraction of the tokens with stored segment KV "
+        "that is recomputed in context (0: none, 1: a full prefill).", metavar="RATIO")
+    kv_blend_separator: Annotated[str, Field(min_length=1)] | None = option(
+        None, "A string that marks segment boundaries in text prompts (system prompt, documents, "
+        "question): such prompts are blended, each document reusing its stored KV wherever it "
+        "appears. The separator is not part of the prompt.", metavar="TEXT")
+
+
+class StoreOptions(Options):
+    title: ClassVar[str] = "KV store options"
+
+    kv_offload: Tiers = option(
+        (), "Comma-separated offload tiers below the device: any of cpu, disk, redis.",
+        metavar="TIERS", store="tiers")
+    kv_offload_cpu_size: Size = option(
+        STORE_DEFAULT, "Memory budget of the cpu tier: GiB, or with a unit (512MiB).",
+        metavar="SIZE", store="cpu_size")
+    kv_offload_disk_path: str | None = option(
+        None, "Directory of the disk tier (default: $XDG_CACHE_HOME/kvtier/kv, or "
+        "~/.cache/kvtier/kv). Several instances may share it.", metavar="DIR", store="disk_path")
+    kv_offload_disk_size: Size = option(
+        STORE_DEFAULT, "Budget of the disk tier: GiB, or with a unit.", metavar="SIZE", store="disk_size")
+    kv_offload_disk_fsync: str = option(
+        STORE_DEFAULT, "When disk records reach stable storage: none (the page cache decides), "
+        "file (each record) or full (record and directory).",
+        metavar="{" + ",".join(FSYNC_POLICIES) + "}", store="disk_fsync")
+    kv_redis_url: str | None = option(
+        None, "Redis tier URL: redis://host:port, rediss://:password@host:port, or "
+        "redis+cluster://host:port,host:port.", metavar="URL", store="redis_url")
+    kv_redis_ttl: PositiveFloat | None = option(
+        STORE_DEFAULT, "Seconds a Redis record lives (default: no expiry; Redis's eviction policy decides).",
+        metavar="SECONDS", store="redis_ttl_s")
+    kv_redis_key_prefix: str = option(
+        STORE_DEFAULT, "Prefix of every Redis key (separates deployments on one Redis).",
+        metavar="PREFIX", store="redis_key_prefix")
+    kv_redis_op_timeout: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds one Redis command may take before it counts as failed.",
+        metavar="SECONDS", store="redis_op_timeout_s")
+    kv_redis_connect_timeout: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds to wait for a Redis connection.", metavar="SECONDS",
+        store="redis_connect_timeout_s")
+    kv_redis_probe_interval: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds between probes of an unhealthy Redis tier.", metavar="SECONDS",
+        store="redis_probe_interval_s")
+    kv_chunk_tokens: PositiveInt = option(256, "Tokens per stored chunk (a multiple of --block-size).")
+    kv_compress: str | None = option(
+        None, "Compression of records below the cpu tier: lz4 (byte planes for 2- and 4-byte "
+        "dtypes: for bf16 only the sign/exponent plane compresses), lz4-plain, lz4-planes or none.",
+        metavar="{" + ",".join(c for c in COMPRESS_OPTIONS if c) + "}", store="compress")
+    kv_secret: str | None = option(
+        None, "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
+        "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
+        "--kv-secret-file, command lines are visible to other users.", metavar="SECRET",
+        store="secret", secret=True)
+    kv_secret_file: str | None = option(
+        None, "File holding the --kv-secret (its text without the trailing newline).", metavar="FILE")
+    kv_save_decode: bool = option(False, "Also save chunks completed during decoding, not only prompt chunks.")
+    kv_load_timeout: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds to wait for a disk/redis load before recomputing instead.",
+        metavar="SECONDS", store="load_timeout_s")
+    kv_lookup_timeout: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds an asynchronous probe of Redis's block index may take; blocks it "
+        "has not found by then are recomputed (the scheduler never waits on it).",
+        metavar="SECONDS", store="lookup_timeout_s")
+    kv_refresh_interval: PositiveFloat = option(
+        STORE_DEFAULT, "Seconds between background rescans of the disk directory for records other "
+        "processes (or an earlier run) wrote.", metavar="SECONDS", store="refresh_interval_s")
+    kv_write_workers: PositiveInt = option(
+        STORE_DEFAULT, "Background threads writing records to disk and Redis.", store="write_workers")
+    kv_max_pending_writes: Size = option(
+        STORE_DEFAULT, "Bytes of records waiting to be written below the cpu tier; past it new saves "
+        "are dropped (GiB, or with a unit).", metavar="SIZE", store="max_pending_write_bytes")
+    kv_promote: bool = option(
+        STORE_DEFAULT, "Copy disk/redis hits into the cpu tier.", store="promote")
+    kv_offloading_size: Size | None = option(
+        None, "vLLM's spelling: GiB of cpu offload; the same as --kv-offload cpu "
+        "--kv-offload-cpu-size SIZE.", metavar="GiB")
+    kv_offloading_backend: Literal["native"] | None = option(
+        None, "vLLM's spelling: native is kvtier's cpu tier (the same as --kv-offload cpu).")
+
+    def _check_store(self) -> None:
+        if self.kv_offloading_size is not None or self.kv_offloading_backend is not None:
+            if self.kv_offloading_size is not None and "kv_offload_cpu_size" in self.model_fields_set:
+                raise ConfigError("kv_offloading_size", "give it or --kv-offload-cpu-size, not both")
+            if "cpu" not in self.kv_offload:
+                self.kv_offload = _tiers(("cpu", *self.kv_offload))
+            if self.kv_offloading_size is not None:
+                self.kv_offload_cpu_size = self.kv_offloading_size
+            self.kv_offloading_size = self.kv_offloading_backend = None  # folded in: a copy rebuilds the same
+        if self.kv_secret_file is not None:
+            if self.kv_secret:
+                raise ConfigError("kv_secret_file", "give --kv-secret or --kv-secret-file, not both")
+            self.kv_secret, self.kv_secret_file = read_secret_file(self.kv_secret_file), None
+        if self.kv_compress == "none":
+            self.kv_compress = None
+        try:
+            StoreConfig(**{**self.store_options(), "tiers": self.kv_offload or ("cpu",)})
+        except StoreConfigError as exc:
+            raise ConfigError(store_option(exc.option), str(exc)) from None
+
+    @property
+    def disk_path(self) -> str:
+        return self.kv_offload_disk_path or default_disk_path()
+
+    def store_options(self) -> dict[str, Any]:
+        """kvstore.StoreConfig keyword options of the store section."""
+        options = {}
+        for name, field in StoreOptions.model_fields.items():
+            store = option_meta(field).get("store")
+            if store:
+                options[store] = getattr(self, name)
+        options["disk_path"] = self.disk_path if "disk" in self.kv_offload else None
+        return options
+
+
+def store_option(store_field: str | None) -> str:
+    """The option that feeds kvstore.StoreConfig field `store_field` (kv_offload when none does)."""
+    for name, field in StoreOptions.model_fields.items():
+        if store_field is not None and option_meta(field).get("store") == store_field:
+            return name
+    return "kv_offload"
+
+
+class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions):
+    """Every option of an engine: `LLM(...)`'s keywords. `model=None` means the built-in
+    default (builtin:smollm2)."""
+
+    def check(self) -> None:
+        self._check_model()
+        self._check_store()
+        if self.preemption_mode == "offload" and "cpu" not in self.kv_offload:
+            raise ConfigError("preemption_mode", "offload needs the cpu tier (--kv-offload cpu,...)")
+        if self.kv_chunk_tokens % self.block_size:
+            raise ConfigError(
+                "kv_chunk_tokens",
+                f"must be a multiple of --block-size ({self.block_size}), got {self.kv_chunk_tokens}",
+            )
+
+    @property
+    def effective_preemption_mode(self) -> str:
+        if self.preemption_mode:
+            return self.preemption_mode
+        return "offload" if "cpu" in self.kv_offload else "recompute"
+
+
+class ServerConfig(Options):
+    """The HTTP server's options of `kvtier serve`."""
+
+    title: ClassVar[str] = "server options"
+
+    host: str = option(
+        "127.0.0.1", "Address to bind. The default serves this machine only; use 0.0.0.0 to serve "
+        "the network.", metavar="HOST")
+    port: Annotated[int, Field(ge=0, le=65535)] = option(
+        8000, "TCP port; 0 picks a free one, printed at startup.", metavar="PORT")
+    served_model_name: Names = option(
+        (), "Model name(s) clients put in the `model` field: /v1/models lists them all, requests "
+        "may use any, responses report the first (default: the MODEL value, or builtin:smollm2). "
+        "Give MODEL before this flag.", metavar="NAME")
+    api_key: str | None = option(
+        None, "Require `Authorization: Bearer KEY` on every /v1/ request (401 otherwise); /health, "
+        "/ready, /metrics and /version stay open (prefer the environment variables: command lines "
+        "are visible to other users).", metavar="KEY", env=API_KEY_ENVS, secret=True)
+    enable_kv_admin: bool = option(
+        False, "Serve the KV admin API under /kv/ (stats, pin, unpin, flush). Requires --admin-token.")
+    admin_token: str | None = option(
+        None, f"Bearer token of the KV admin API, at least {MIN_ADMIN_TOKEN_CHARS} characters "
+        "(prefer the environment variable: command lines are visible to other users).",
+        metavar="TOKEN", env=(ADMIN_TOKEN_ENV,), secret=True)
+    max_waiting_requests: Annotated[int, Field(ge=0)] = option(
+        256, "Requests that may wait beyond the --max-num-seqs running ones; past that the server "
+        "answers 503 with Retry-After.", metavar="N")
+    max_prompts_per_request: Annotated[int, Field(ge=1)] = option(
+        64, "Most prompts in one completion request; more get 400 before any is tokenized. Never "
+        "more than --max-num-seqs + --max-waiting-requests: a request's prompts are admitted "
+        "together or not at all.", metavar="N")
+    max_request_bytes: Annotated[Size, Field(ge=1024)] = option(
+        8 * 1024**2, "Largest request body (GiB, or with a unit: 8MiB); larger ones get 413.",
+        metavar="SIZE")
+    body_read_timeout: PositiveFloat = option(
+        30.0, "A request body must have fully arrived this long after the request head, or the "
+        "server answers 408 and closes the connection.", metavar="SECONDS")
+    max_body_reads_per_client: Annotated[int, Field(ge=1)] = option(
+        16, "Request bodies one client address may be sending at once; one more gets 503 with "
+        "Retry-After (bodies sent at network speed never wait, so only slow senders count).",
+        metavar="N")
+    retry_after: Annotated[int, Field(ge=0)] = option(
+        1, "Retry-After of 503 answers when the queue is full.", metavar="SECONDS")
+    shutdown_timeout: Annotated[float, Field(ge=0)] = option(
+        30.0, "On SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted.",
+        metavar="SECONDS")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = option(
+        "info", "Server log level.")
+
+    def check(self) -> None:
+        if self.enable_kv_admin and not self.admin_token:
+            raise ConfigError(
+                "admin_token",
+                f"--enable-kv-admin needs a token (--admin-token or ${ADMIN_TOKEN_ENV}): "
+                "the KV admin API is never served unauthenticated",
+            )
+        if self.enable_kv_admin and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS:
+            raise ConfigError("admin_token", f"must be at least {MIN_ADMIN_TOKEN_CHARS} characters")
+
+    def queue_size(self, max_num_seqs: int) -> int:
+        """Requests admitted at once: the running ones plus the waiting ones."""
+        return max_num_seqs + self.max_waiting_requests
+
+    def prompt_limit(self, max_num_seqs: int) -> int:
+        """Most prompts in one completion: the flag, never more than the queue holds."""
+        return min(self.max_prompts_per_request, self.queue_size(max_num_seqs))
 
 
 def read_secret_file(path: str) -> str:
@@ -71,15 +467,14 @@ JINJA_CHARS = "{}\n"
 def load_chat_template(value: str) -> str:
     """The template `--chat-template` names: the text of a file, or the value itself
     when it looks like a Jinja template (as vLLM decides)."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("chat_template", f"cannot read {value}: {exc}") from None
-    if any(c in value for c in JINJA_CHARS):
-        return value
-    raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template")
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # a template is rarely a valid name (too long, a NUL)
+        if any(c in value for c in JINJA_CHARS):
+            return value
+        if isinstance(exc, FileNotFoundError):
+            raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template") from None
+        raise ConfigError("chat_template", f"cannot read {value}: {exc}") from None
 
 
 def redact_url(url: str) -> str:
@@ -90,113 +485,3 @@ def redact_url(url: str) -> str:
 def default_disk_path() -> str:
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache_home, "kvtier", "kv")
-
-
-@dataclass
-class EngineConfig:
-    """Every engine option. `model=None` means the built-in default (builtin:smollm2)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    chat_template: str | None = None  # a file is read into the template text at construction
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    preemption_mode: str | None = None
-    attention_backend: str = "auto"
-    kv_offload: tuple[str, ...] = ()
-    kv_offload_cpu_size: int = 4 * 1024**3
-    kv_offload_disk_path: str | None = None
-    kv_offload_disk_size: int = 32 * 1024**3
-    kv_redis_url: str | None = None
-    kv_chunk_tokens: int = 256
-    kv_compress: str | None = None
-    kv_secret: str | None = field(default=None, repr=False)
-    kv_secret_file: str | None = None  # read into kv_secret at construction, then None
-    kv_save_decode: bool = False
-    kv_load_timeout: float = 10.0
-    kv_blend_recompute_ratio: float = 0.15
-    kv_blend_separator: str | None = None
-    max_logprobs: int = 20
-
-    def __post_init__(self) -> None:
-        self.kv_offload = parse_offload(self.kv_offload)
-        self.kv_offload_cpu_size = parse_size(self.kv_offload_cpu_size, "kv_offload_cpu_size")
-        self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size, "kv_offload_disk_size")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
-        if self.chat_template is not None:
-            self.chat_template = load_chat_template(self.chat_template)
-        if self.kv_secret_file is not None:
-            if self.kv_secret:
-                raise ConfigError("kv_secret_file", "give --kv-secret or --kv-secret-file, not both")
-            self.kv_secret, self.kv_secret_file = read_secret_file(self.kv_secret_file), None
-        self.validate()
-
-    def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError("device", f"{self.device!r} is not auto, cpu or cuda[:N]")
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ConfigError("block_size", f"must be a positive power of two, got {self.block_size}")
-        for name in ("num_kv_blocks", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(name, f"must be positive, got {value}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        if self.preemption_mode not in (None, "offload", "recompute"):
-            raise ConfigError("preemption_mode", f"{self.preemption_mode!r} is not offload or recompute")
-        if self.preemption_mode == "offload" and "cpu" not in self.kv_offload:
-            raise ConfigError("preemption_mode", "offload needs the cpu tier (--kv-offload cpu,...)")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError("attention_backend", f"{self.attention_backend!r} is not auto, torch or triton")
-        if self.kv_chunk_tokens <= 0 or self.kv_chunk_tokens % self.block_size:
-            raise ConfigError(
-                "kv_chunk_tokens",
-                f"must be a positive multiple of --block-size ({self.block_size}), got {self.kv_chunk_tokens}",
-            )
-        if self.kv_compress not in (None, "none", "lz4"):
-            raise ConfigError("kv_compress", f"{self.kv_compress!r} is not lz4 or none")
-        if "redis" in self.kv_offload and not self.kv_redis_url:
-            raise ConfigError("kv_redis_url", "the redis tier needs --kv-redis-url redis://host:port")
-        if self.max_logprobs < 0:
-            raise ConfigError("max_logprobs", f"must be >= 0, got {self.max_logprobs}")
-        if self.kv_load_timeout <= 0:
-            raise ConfigError("kv_load_timeout", f"must be positive, got {self.kv_load_timeout}")
-        if not 0.0 <= self.kv_blend_recompute_ratio <= 1.0:
-            raise ConfigError("kv_blend_recompute_ratio", f"must be in [0, 1], got {self.kv_blend_recompute_ratio}")
-        if self.kv_blend_separator == "":
-            raise ConfigError("kv_blend_separator", "must not be empty")
-
-    @property
-    def effective_preemption_mode(self) -> str:
-        if self.preemption_mode:
-            return self.preemption_mode
-        return "offload" if "cpu" in self.kv_offload else "recompute"
-
-    @property
-    def disk_path(self) -> str:
-        return self.kv_offload_disk_path or default_disk_path()
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
-        """Build from LLM(...) keyword arguments; an unknown name is a ConfigError."""
-        known = set(cls.option_names())
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(unknown[0], "is not an engine option")
-        return cls(model=model, **kwargs)

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from connectors.base import ConnectorConfigError, KVConnector, NullConnector
-from engine.config import ConfigError, EngineConfig, redact_url
+from engine.config import ConfigError, EngineConfig, redact_url, store_option
 from engine.kv_cache_manager import cdiv
 
 logger = logging.getLogger(__name__)
@@ -16,18 +16,6 @@ logger = logging.getLogger(__name__)
 STAGING_MAX_BYTES = 1 << 30
 STAGING_SLACK_RECORDS = 8
 
-
-# The engine flag of each kvstore.StoreConfig option the engine sets (store_options).
-STORE_OPTION_FLAGS = {
-    "tiers": "kv_offload",
-    "cpu_size": "kv_offload_cpu_size",
-    "disk_path": "kv_offload_disk_path",
-    "disk_size": "kv_offload_disk_size",
-    "redis_url": "kv_redis_url",
-    "compress": "kv_compress",
-    "secret": "kv_secret",
-    "load_timeout_s": "kv_load_timeout",
-}
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -41,12 +29,12 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
 
     settings = ConnectorSettings(chunk_tokens=config.kv_chunk_tokens, save_decode=config.kv_save_decode)
-    options = store_options(config)
+    options = config.store_options()
     options["staging_size"] = staging_size(config, chunk_bytes(config, kv_cache))
     try:
         connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **options)
     except ConnectorConfigError as exc:
-        raise ConfigError(STORE_OPTION_FLAGS.get(exc.option, "kv_offload"), str(exc)) from exc
+        raise ConfigError(store_option(exc.option), str(exc)) from exc
     if connector.store.probe_remote(PROBE_TIMEOUT_S):
         logger.warning(
             "the redis tier at %s does not answer: serving without it (no KV sharing) until "
@@ -55,20 +43,6 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
             redact_url(config.kv_redis_url or ""),
         )
     return connector
-
-
-def store_options(config: EngineConfig) -> dict:
-    """kvstore.StoreConfig options from the engine's --kv-* flags."""
-    return {
-        "tiers": config.kv_offload,
-        "cpu_size": config.kv_offload_cpu_size,
-        "disk_path": config.disk_path if "disk" in config.kv_offload else None,
-        "disk_size": config.kv_offload_disk_size,
-        "redis_url": config.kv_redis_url,
-        "compress": None if config.kv_compress in (None, "none") else config.kv_compress,
-        "secret": config.kv_secret,
-        "load_timeout_s": config.kv_load_timeout,
-    }
 
 
 def chunk_bytes(config: EngineConfig, kv_cache: torch.Tensor) -> int:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from engine.blend import SegmentedTokens, Segments
-from engine.config import EngineConfig, load_chat_template
+from engine.config import ConfigError, EngineConfig, load_chat_template
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -22,15 +21,25 @@ Conversation = Sequence[Mapping[str, str]]
 
 class LLM:
     """Offline batch generation. Keyword arguments are the engine options (CLI flag names
-    with underscores), e.g. LLM(model=path, dtype="float32", num_kv_blocks=64)."""
+    with underscores), e.g. LLM(model=path, dtype="float32", num_kv_blocks=64); a bad one
+    raises engine.config.ConfigError naming the keyword."""
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
-        self._ids = itertools.count()
+        try:
+            self._start(EngineConfig(model=model, **engine_options))
+        except ConfigError as exc:
+            raise exc.as_keyword() from None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        return cls(**dataclasses.asdict(config))
+        """An LLM of a built config (its errors name flags: the CLI's constructor)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self):
@@ -77,7 +86,10 @@ class LLM:
         conversation, in order."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if chat_template is not None:
-            chat_template = load_chat_template(chat_template)
+            try:
+                chat_template = load_chat_template(chat_template)
+            except ConfigError as exc:
+                raise exc.as_keyword() from None
         prompts = [
             self.engine.encode_chat(list(c), chat_template, add_generation_prompt) for c in conversations
         ]

@@ -83,8 +83,8 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.model_path = model_path
-        self.config = dataclasses.replace(
-            config, model=model_path, max_model_len=self._max_model_len(config.max_model_len)
+        self.config = config.model_copy(
+            update={"model": model_path, "max_model_len": self._max_model_len(config.max_model_len)}
         )
         self.fingerprint = model_fingerprint(self.spec, self.dtype, config.block_size)
         self.num_kv_blocks = self._num_kv_blocks()

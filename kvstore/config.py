@@ -15,9 +15,9 @@ from tiers.pins import PinTable
 from tiers.redis_tier import RedisTier
 
 TIER_ORDER = ("cpu", "disk", "redis")
+COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
 # The option a tier's own configuration error is about (sizes are checked before).
 TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
-COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
 GiB = 1024**3
 
 
@@ -27,9 +27,9 @@ def parse_tiers(tiers: str | Sequence[str]) -> tuple[str, ...]:
     names = [n.strip().lower() for n in names if n.strip()]
     unknown = sorted(set(names) - set(TIER_ORDER))
     if unknown:
-        raise StoreConfigError(f"unknown tier {unknown[0]!r}; choose from {', '.join(TIER_ORDER)}")
+        raise StoreConfigError(f"unknown tier {unknown[0]!r}; choose from {', '.join(TIER_ORDER)}", "tiers")
     if not names:
-        raise StoreConfigError("a store needs at least one tier")
+        raise StoreConfigError("a store needs at least one tier", "tiers")
     return tuple(t for t in TIER_ORDER if t in names)
 
 
@@ -63,20 +63,22 @@ class StoreConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         if "disk" in self.tiers and not self.disk_path:
-            raise StoreConfigError("the disk tier needs disk_path", "disk_path")
-        if "disk" in self.tiers and self.disk_size <= 0:
-            raise StoreConfigError(f"the disk tier needs a positive size, got {self.disk_size}", "disk_size")
+            raise StoreConfigError("the disk tier needs a directory", "disk_path")
         if "redis" in self.tiers and not self.redis_url:
-            raise StoreConfigError("the redis tier needs redis_url (redis://host:port)", "redis_url")
+            raise StoreConfigError("the redis tier needs a URL (redis://host:port)", "redis_url")
         if self.compress not in COMPRESS_OPTIONS:
-            raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4")
+            raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4", "compress")
         if self.disk_fsync not in FSYNC_POLICIES:
-            raise StoreConfigError(f"disk_fsync must be one of {', '.join(FSYNC_POLICIES)}")
-        for name in ("lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s", "refresh_interval_s"):
+            raise StoreConfigError(f"must be one of {', '.join(FSYNC_POLICIES)}", "disk_fsync")
+        positive = ("cpu_size", "staging_size", "disk_size", "lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s",
+                    "redis_connect_timeout_s", "redis_probe_interval_s", "refresh_interval_s", "write_workers")
+        for name in positive:
             if getattr(self, name) <= 0:
-                raise StoreConfigError(f"{name} must be positive")
-        if self.write_workers < 1 or self.max_pending_write_bytes < 0:
-            raise StoreConfigError("write_workers must be >= 1 and max_pending_write_bytes >= 0")
+                raise StoreConfigError(f"must be positive, got {getattr(self, name)}", name)
+        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
+            raise StoreConfigError(f"must be positive (or unset: no expiry), got {self.redis_ttl_s}", "redis_ttl_s")
+        if self.max_pending_write_bytes < 0:
+            raise StoreConfigError(f"must be >= 0, got {self.max_pending_write_bytes}", "max_pending_write_bytes")
 
     @property
     def secret_bytes(self) -> bytes | None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -17,10 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import disable_created_metrics
 
 from engine import __version__
-from engine.config import ConfigError, EngineConfig, redact_url
+from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url
 from engine.server import admin
 from engine.server.auth import ApiKeyMiddleware
-from engine.server.cli_args import ServerSettings, settings_from_args
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -127,16 +125,15 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+def serve(config: EngineConfig, settings: ServerConfig) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit status."""
-    settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     disable_created_metrics()
     sock = bind_socket(settings.host, settings.port)
     from engine.llm_engine import LLMEngine  # heavy (torch, transformers): after flag checks
 
     engine = LLMEngine(config)
-    names = settings.served_model_names or default_model_names(config.model)
+    names = settings.served_model_name or default_model_names(config.model)
     print(startup_summary(engine, settings, names, _url(settings.host, sock.getsockname()[1])), flush=True)
     state = create_state(engine, settings, names)
     server = uvicorn.Server(uvicorn.Config(
@@ -166,7 +163,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def startup_summary(engine: LLMEngine, settings: ServerSettings, names: tuple[str, ...], url: str) -> str:
+def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str, ...], url: str) -> str:
     spec, config = engine.spec, engine.config
     pool_tokens = engine.num_kv_blocks * config.block_size
     lines = [

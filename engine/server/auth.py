@@ -12,7 +12,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.server.errors import APIError
 
-API_KEY_ENVS = ("KVTIER_API_KEY", "VLLM_API_KEY")  # the first one set wins
 PROTECTED_PREFIX = "/v1/"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 

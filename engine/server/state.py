@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncEngine
 from engine.builtin_models import DEFAULT_MODEL
-from engine.server.cli_args import ServerSettings
+from engine.config import ServerConfig
 from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import PromptTokenizer
@@ -26,7 +26,7 @@ TOKEN_TEXT_CACHE = 65536
 class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
-    settings: ServerSettings
+    settings: ServerConfig
     model_names: tuple[str, ...]
     model_root: str
     max_model_len: int
@@ -62,7 +62,7 @@ def default_model_names(model_flag: str | None) -> tuple[str, ...]:
 
 
 def create_state(
-    engine: LLMEngine, settings: ServerSettings, model_names: tuple[str, ...]
+    engine: LLMEngine, settings: ServerConfig, model_names: tuple[str, ...]
 ) -> ServerState:
     """Hand `engine` to its engine thread and gather what the routes need. The caller
     must not touch `engine` afterwards."""

@@ -1,7 +1,7 @@
 """CI smoke mode of the benchmark workloads: each one at a tiny size on a tiny model.
 
-Checks only that a workload completes and writes a valid result named after it in
-bench/cli.py (JSON with the run's header and the command that repeats it, a Markdown
+Checks only that every workload's --smoke completes through `kvtier bench --output-dir`
+and writes a valid result named after it in bench/cli.py (JSON with the run's header and the command that repeats it, a Markdown
 table, a PNG plot), and that the report assembles those results, including ones written
 before the workloads recorded their command or drew a plot.
 """
@@ -17,48 +17,29 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, report
+from bench import report
 from bench.cli import WORKLOADS
+from bench.cli import main as bench_main
 from bench.kv_common import find_redis_server
 
-# Workloads on the shared driver: --smoke picks their tiny sizes.
-SMOKE_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill")
-# The others: tiny sizes spelled out.
-SIZED_WORKLOADS = {
-    "engine": ["--prefill-lens", "32", "64", "--repeats", "1", "--decode-context", "40", "--decode-steps", "3",
-               "--batch-decode", "3", "--batch-context", "20", "--num-prompts", "3", "--prompt-len", "8", "24",
-               "--output-len", "2", "6", "--hf-batch-size", "2", "--big-prompt-bytes", "200000",
-               "--stream-tokens", "24"],
-    "long-doc-qa": ["--num-docs", "4", "--doc-tokens", "320", "--question-tokens", "4", "--max-tokens", "2",
-                    "--chunk-tokens", "64", "--concurrency", "1", "2", "--configs", "none", "cpu", "disk"],
-    "zero-reuse": ["--num-prompts", "3", "--prompt-len", "48", "--output-len", "4", "--concurrency", "2",
-                   "--chunk-tokens", "32", "--configs", "none", "cpu+disk", "--repeats", "2"],
-    "store": ["--chunks", "4", "--batch", "2", "--repeats", "1", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
-              "--block-size", "4", "--chunk-tokens", "8", "--skip-model-kv"],
-    "preemption": ["--num-prompts", "3", "--prompt-len", "32", "--output-len", "8", "--concurrency", "3",
-                   "--capacity-fraction", "0.5", "--chunk-tokens", "16"],
-    "cross-instance": ["--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4", "--max-tokens", "2",
-                       "--chunk-tokens", "16"],
-    "store-hits": ["--num-docs", "2", "--doc-tokens", "64", "--max-tokens", "2", "--chunk-tokens", "32"],
-    "startup": ["--smoke"],
-    "rag-blend": ["--smoke", "--threads", "0"],
-}
 NEEDS_REDIS = ("cross-instance", "store-hits")
-# the store alone (its --skip-model-kv skips the model's KV); the built-in model's start-up
+# the store alone (its smoke skips the model's KV); the built-in model's start-up
 NO_MODEL = ("store", "startup")
-ALL_WORKLOADS = (*SMOKE_WORKLOADS, *SIZED_WORKLOADS)
+# Workloads on the shared driver, which record the model and their --smoke
+DRIVER_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill", "rag-blend")
+ALL_WORKLOADS = tuple(WORKLOADS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def workload_argv(workload: str, model: str) -> list[str]:
     if workload == "store" and find_redis_server() is None:
-        return [*SIZED_WORKLOADS[workload], "--tiers", "cpu", "disk"]  # the redis part needs a redis-server
+        return ["--smoke", "--tiers", "cpu", "disk"]  # the redis part needs a redis-server
     if workload in NO_MODEL:
-        return SIZED_WORKLOADS[workload]
-    if workload in SIZED_WORKLOADS:
-        return [*SIZED_WORKLOADS[workload], "--model", model]
-    # --threads 0: keep torch's thread count, the rest of the test session shares it
-    return ["--smoke", "--threads", "0", "--model", model]
+        return ["--smoke"]
+    if workload in DRIVER_WORKLOADS:
+        # --threads 0: keep torch's thread count, the rest of the test session shares it
+        return ["--smoke", "--threads", "0", "--model", model]
+    return ["--smoke", "--model", model]
 
 
 def runnable(workload: str) -> str:
@@ -69,16 +50,15 @@ def runnable(workload: str) -> str:
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, tiny_model_factory) -> Callable[[str], Path]:
-    """run(workload) -> the results directory, running each workload once per module."""
+    """run(workload) -> the results directory, running each workload once per module
+    through `kvtier bench --output-dir DIR WORKLOAD --smoke ...` (in this process)."""
     directory = tmp_path_factory.mktemp("bench-results")
     done: dict[str, int] = {}
 
     def run(workload: str) -> Path:
         if workload not in done:
-            module = importlib.import_module(WORKLOADS[workload][0])
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(common, "RESULTS_DIR", directory)
-                done[workload] = module.main(workload_argv(workload, tiny_model_factory()))
+            argv = workload_argv(workload, tiny_model_factory())
+            done[workload] = bench_main(["--output-dir", str(directory), workload, *argv])
         assert done[workload] == 0
         return directory
 
@@ -93,11 +73,31 @@ def test_workload_writes_valid_results(smoke_run, tiny_model_factory, workload: 
     assert shlex.split(result["command"]) == ["kvtier", "bench", workload,
                                              *workload_argv(workload, tiny_model_factory())]
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch"]
-    if workload in SMOKE_WORKLOADS:
+    if workload in DRIVER_WORKLOADS:
         assert result["model"]["num_hidden_layers"] == 2
         assert result["options"]["smoke"] is True
+    assert (directory / f"{workload}.log").is_file()
     assert "|---|" in (directory / f"{workload}.md").read_text()
     assert (directory / f"{workload}.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# Workloads whose smoke must load KV from the store (not only save it), and where it shows.
+STORE_LOADS = {"multi-round-qa": "store_hit_tokens", "rag": "store_hit_tokens",
+               "agent-replay": "store_hit_tokens", "preemption": "loaded_tokens", "cross-instance": "redis"}
+
+
+def values_of(data: object, key: str) -> list[object]:
+    if isinstance(data, dict):
+        return [v for k, v in data.items() if k == key] + [x for v in data.values() for x in values_of(v, key)]
+    if isinstance(data, list):
+        return [x for v in data for x in values_of(v, key)]
+    return []
+
+
+@pytest.mark.parametrize("workload", STORE_LOADS)
+def test_smoke_sizes_load_from_the_store(smoke_run, workload: str) -> None:
+    result = json.loads((smoke_run(runnable(workload)) / f"{workload}.json").read_text())
+    assert max(values_of(result, STORE_LOADS[workload])) > 0
 
 
 def test_long_doc_qa_result_has_paired_concurrent_and_floor_table(smoke_run) -> None:

@@ -195,7 +195,7 @@ def test_bad_blend_options_are_one_line_naming_the_flag(argv, flag, capsys):
 
 
 def test_a_ratio_out_of_range_is_refused_by_the_offline_api(checkpoint):
-    with pytest.raises(ConfigError, match="--kv-blend-recompute-ratio"):
+    with pytest.raises(ConfigError, match="kv_blend_recompute_ratio"):  # LLM(...) names the keyword
         make_llm(checkpoint, kv_blend_recompute_ratio=1.01)
 
 

@@ -36,7 +36,7 @@ def offload_options(tiers: str, tmp_path: Path, request: pytest.FixtureRequest) 
     if "redis" in tiers:
         options["kv_redis_url"] = request.getfixturevalue("redis_url")
     if "cpu" in tiers and tiers != "cpu":
-        options["kv_offload_cpu_size"] = 12 * CHUNK_BYTES  # too small: lower tiers serve too
+        options["kv_offload_cpu_size"] = f"{12 * CHUNK_BYTES}B"  # too small: lower tiers serve too
     return options
 
 
@@ -252,5 +252,5 @@ def test_cpu_disk_works_with_no_other_flag(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_a_store_that_cannot_work_is_a_config_error(tiny_llama):
-    with pytest.raises(ConfigError, match="kv-offload"):
-        LLM(model=tiny_llama, dtype="float32", kv_offload="cpu", kv_offload_cpu_size=1000)
+    with pytest.raises(ConfigError, match=r"^kv_offload_cpu_size: cpu tier of 1000 bytes"):
+        LLM(model=tiny_llama, dtype="float32", kv_offload="cpu", kv_offload_cpu_size="1000B")

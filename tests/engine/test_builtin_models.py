@@ -87,7 +87,7 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path):
     result = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
-    assert "kvtier: error: --model" in result.stderr and "Traceback" not in result.stderr
+    assert "kvtier generate: error: --model" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_cli_reports_a_missing_builtin_with_the_fix(tmp_path):

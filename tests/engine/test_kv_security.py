@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from engine.arg_utils import add_engine_arguments, config_from_args
+from engine.arg_utils import add_config_arguments, config_from_args
 from engine.config import ConfigError, EngineConfig
 from engine.kv_security import shared_tiers_without_secret
 
@@ -128,7 +128,7 @@ def test_kv_secret_file_reads_the_secret(tmp_path):
     assert config.kv_secret == "correct horse battery staple"
     assert "correct horse" not in repr(config)
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
+    add_config_arguments(parser, EngineConfig)
     assert config_from_args(parser.parse_args(["--kv-secret-file", str(path)])).kv_secret == config.kv_secret
 
 

@@ -51,5 +51,5 @@ def test_the_chat_template_option_takes_a_file(tiny_model_factory, tmp_path):
 
 
 def test_a_chat_template_that_is_neither_file_nor_template_is_refused(tiny_model_factory):
-    with pytest.raises(ConfigError, match=r"^--chat-template: "):
+    with pytest.raises(ConfigError, match=r"^chat_template: "):
         LLM(model=tiny_model_factory(), chat_template="missing/template.jinja")

@@ -73,7 +73,7 @@ def test_two_engines_and_a_writer_share_redis_and_disk(
         "chunk_tokens": CHUNK, "disk_path": str(disk), "disk_size": budget, "redis_url": server.url,
     })
     options = {**STORE_ONLY, "kv_offload": "disk,redis", "kv_offload_disk_path": str(disk),
-               "kv_offload_disk_size": budget, "kv_redis_url": server.url}
+               "kv_offload_disk_size": f"{budget}B", "kv_redis_url": server.url}
     rounds = [shuffled_rounds(seed) for seed in range(ENGINES)]
     engines = [spawn("engine_worker.py", {"mode": "run", "model": model_path, "options": options,
                                           "rounds": r, "max_tokens": MAX_TOKENS}) for r in rounds]

@@ -219,7 +219,7 @@ def test_disk_budget_smaller_than_the_working_set(
     budget = 5 * RECORD_BYTES
     peak = {"usage": 0, "files": 0}
 
-    with disk_engine(model_path, tmp_path, kv_offload_disk_size=budget) as llm:
+    with disk_engine(model_path, tmp_path, kv_offload_disk_size=f"{budget}B") as llm:
         def sample(_: int) -> None:
             peak["usage"] = max(peak["usage"], tier(llm.engine, "disk")["usage_bytes"])
             peak["files"] = max(peak["files"], bytes_on_disk(tmp_path))

@@ -82,11 +82,14 @@ def test_a_full_filesystem_evicts_old_records_and_writes_resume_when_space_retur
             freed = time.monotonic()
 
             def recovered() -> bool:
-                """Writes land past what the full filesystem held (a save is attempted
-                every step while this is polled)."""
+                """Writes land past what the full filesystem held and the budget has
+                followed the free space back up (a save is attempted every step while
+                this is polled; the free space is re-read every SPACE_CHECK_S)."""
                 drive(engine, random_prompts(1, 100, seed=int(time.monotonic() * 1e6)), 1)
                 assert store_of(engine).drain(30)
-                return tier(engine, "disk")["usage_bytes"] > while_full["usage_bytes"] + 2 * RECORD_BYTES
+                now = tier(engine, "disk")
+                grew = now["usage_bytes"] > while_full["usage_bytes"] + 2 * RECORD_BYTES
+                return grew and now["capacity_bytes"] > 4 * while_full["capacity_bytes"]
 
             wait_until(recovered, 30)
             recovery_s = time.monotonic() - freed

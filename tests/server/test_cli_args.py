@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from engine.cli import main
-from engine.server.cli_args import ADMIN_TOKEN_ENV
+from engine.config import ADMIN_TOKEN_ENV
 
 SERVER_FLAGS = ["--host", "--port", "--served-model-name", "--enable-kv-admin", "--admin-token",
                 "--max-waiting-requests", "--max-prompts-per-request", "--max-request-bytes", "--body-read-timeout", "--max-body-reads-per-client", "--retry-after", "--shutdown-timeout",
@@ -40,7 +40,7 @@ def test_help_explains_every_server_flag(capsys):
     (["--body-read-timeout", "0"], "--body-read-timeout"),
     (["--max-body-reads-per-client", "0"], "--max-body-reads-per-client"),
     (["--max-request-bytes", "lots"], "--max-request-bytes"),
-    (["--max-request-bytes", "10"], "--max-request-bytes"),
+    (["--max-request-bytes", "10B"], "--max-request-bytes"),
     (["--log-level", "loud"], "--log-level"),
 ])
 def test_bad_server_flag_is_one_line_naming_it(argv, flag, capsys, monkeypatch):
@@ -58,9 +58,11 @@ def test_busy_port_fails_before_the_model_loads(capsys):
 
 
 def test_admin_token_can_come_from_the_environment(monkeypatch):
+    from engine.arg_utils import load_options
     from engine.cli import build_parser
-    from engine.server.cli_args import settings_from_args
+    from engine.config import ServerConfig
 
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "t" * 20)
     args = build_parser().parse_args(["serve", "--enable-kv-admin"])
-    assert settings_from_args(args).admin_token == "t" * 20
+    (settings,) = load_options(args, ServerConfig)
+    assert settings.admin_token == "t" * 20

@@ -56,13 +56,13 @@ def test_a_disk_path_that_cannot_be_created_names_its_flag(model_path, tmp_path)
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "kvtier: error: --kv-offload-disk-path: cannot create disk tier directory" in result.stderr
+    assert "kvtier generate: error: --kv-offload-disk-path: cannot create disk tier directory" in result.stderr
 
 
 def test_a_cpu_tier_too_small_for_a_chunk_names_its_flag(model_path):
     from engine import LLM
     from engine.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^--kv-offload-cpu-size: cpu tier of 1024 bytes") as error:
-        LLM(model=model_path, num_kv_blocks=16, kv_offload="cpu", kv_offload_cpu_size=1024)
+    with pytest.raises(ConfigError, match=r"^kv_offload_cpu_size: cpu tier of 1024 bytes") as error:
+        LLM(model=model_path, num_kv_blocks=16, kv_offload="cpu", kv_offload_cpu_size="1024B")
     assert error.value.option == "kv_offload_cpu_size"

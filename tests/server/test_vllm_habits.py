@@ -257,4 +257,4 @@ def test_a_bad_model_or_tokenizer_path_is_one_line_naming_its_flag(flag, tmp_pat
     result = run_cli("serve", *args, "--port", "0")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith(f"kvtier: error: {flag} ")
+    assert line.startswith(f"kvtier serve: error: {flag} ")
