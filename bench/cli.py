@@ -25,6 +25,7 @@ WORKLOADS = {
     "cross-instance": ("bench.cross_instance", "a second engine loads what the first saved to Redis"),
     "multi-round-qa": ("bench.multi_round_qa", "users x rounds of chat over a shared system prompt, at a given QPS"),
     "rag": ("bench.rag", "queries of k documents in varying order: only true prefixes hit; chunk size"),
+    "rag-blend": ("bench.rag_blend", "documents in any order, blended: accuracy, KL and TTFT vs full prefill"),
     "agent-replay": ("bench.agent_replay", "agents whose growing contexts leave the device while they pause"),
     "throughput": ("bench.throughput", "real-text prompts without reuse at concurrency 1/8/32/64 vs transformers"),
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),

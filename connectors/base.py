@@ -93,6 +93,12 @@ class SchedulerConnector(Protocol):
         """The worker-side work of this step (`SchedulerOutput.connector_meta`)."""
         ...
 
+    def take_load_tiers(self, request_id: str) -> list[tuple[str, int]]:
+        """(tier, tokens) runs, in prompt order, of the external tokens of the request's
+        last admitted load (right after its device hit); [] when it loaded none. Read
+        once, when the scheduler admits the request (the runs are then forgotten)."""
+        ...
+
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         """Offload mode: called before a preempted request's blocks are freed."""
         ...
@@ -158,6 +164,9 @@ class NullConnector:
 
     def build_meta(self, output: ScheduledBatch) -> object:
         return None
+
+    def take_load_tiers(self, request_id: str) -> list[tuple[str, int]]:
+        return []
 
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         return None

@@ -86,6 +86,9 @@ class KVStoreConnector:
         self._unstarted = meta
         return meta
 
+    def take_load_tiers(self, request_id: str) -> list[tuple[str, int]]:
+        return self.planner.take_load_tiers(request_id)
+
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         self.planner.preempted(request, block_ids)
 

@@ -34,6 +34,8 @@ class OpenLoad(Protocol):
 
     def arrived_blocks(self) -> int: ...
 
+    def tier_runs(self, num_blocks: int) -> list[tuple[str, int]]: ...
+
 
 class StoreIndex(Protocol):
     """What the planner asks of the store (kvstore.TieredStore)."""
@@ -145,6 +147,7 @@ class Planner:
         self.ready: list[PlannedLoad] = []  # to copy in before the next forward
         self.offloads: list[SavePlan] = []
         self.abandoned: list[OpenLoad] = []  # dropped before done: closed once done
+        self.load_tiers: dict[str, list[tuple[str, int]]] = {}  # take_load_tiers
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -198,6 +201,7 @@ class Planner:
             self.counters.async_loads += 1
         else:
             self.ready.append(planned)
+            self._note_tiers(planned)
 
     def finished_loads(self) -> dict[str, int]:
         """Asynchronous loads that are done: {request id: tokens that arrived}, the
@@ -211,6 +215,7 @@ class Planner:
             self._count_shortfall(planned.promised_blocks - arrived)
             planned.promised_blocks = arrived
             self.ready.append(planned)
+            self._note_tiers(planned)
             done[request_id] = arrived * self.geometry.block_size
         return done
 
@@ -254,8 +259,14 @@ class Planner:
             plans.append(self._plan(request, block_ids, tail.start, tail.stop))
         self.offloads += [p for p in plans if p is not None]
 
+    def take_load_tiers(self, request_id: str) -> list[tuple[str, int]]:
+        """(tier, tokens) runs of the request's last settled load, in prompt order; []
+        when none (read once, at admission)."""
+        return self.load_tiers.pop(request_id, [])
+
     def forget(self, request_id: str) -> None:
         """The request left (finished, aborted, preempted): drop everything about it."""
+        self.load_tiers.pop(request_id, None)
         state = self.requests.pop(request_id, None)
         if state is not None and state.load is not None:
             self._drop(state.load)
@@ -319,6 +330,11 @@ class Planner:
         if state is None:
             state = self.requests[request_id] = RequestKV(request_id)
         return state
+
+    def _note_tiers(self, planned: PlannedLoad) -> None:
+        bs = self.geometry.block_size
+        runs = planned.load.tier_runs(planned.promised_blocks)
+        self.load_tiers[planned.request_id] = [(tier, blocks * bs) for tier, blocks in runs]
 
     def _drop(self, planned: PlannedLoad) -> None:
         if planned.dropped:

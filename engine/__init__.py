@@ -1,10 +1,11 @@
-"""kvtier's LLM engine. `from engine import LLM, SamplingParams`."""
+"""kvtier's LLM engine. `from engine import LLM, SamplingParams, Segments`."""
 
 from importlib.metadata import PackageNotFoundError, version
 
+from engine.blend.segments import Segments
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments", "__version__"]
 
 try:
     __version__ = version("kvtier")

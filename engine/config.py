@@ -235,6 +235,13 @@ class SchedulerOptions(Options):
         "when it exists) or recompute.")
     attention_backend: Literal["auto", "torch", "triton"] = option(
         "auto", "auto (Triton on CUDA, torch elsewhere), torch or triton.")
+    kv_blend_recompute_ratio: Annotated[float, Field(ge=0, le=1)] = option(
+        0.15, "Blended (segmented) prompts: the fraction of the tokens with stored segment KV "
+        "that is recomputed in context (0: none, 1: a full prefill).", metavar="RATIO")
+    kv_blend_separator: Annotated[str, Field(min_length=1)] | None = option(
+        None, "A string that marks segment boundaries in text prompts (system prompt, documents, "
+        "question): such prompts are blended, each document reusing its stored KV wherever it "
+        "appears. The separator is not part of the prompt.", metavar="TEXT")
 
 
 class StoreOptions(Options):

@@ -7,12 +7,15 @@ from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
+from engine.blend import SegmentedTokens, Segments
 from engine.config import ConfigError, EngineConfig, load_chat_template
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# text, token ids, or a segmented prompt (blended, engine/blend); text is segmented where
+# --kv-blend-separator occurs in it
+Prompt = str | list[int] | Segments | SegmentedTokens
 Conversation = Sequence[Mapping[str, str]]
 
 
@@ -107,7 +110,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Segments | SegmentedTokens):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

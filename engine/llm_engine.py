@@ -1,7 +1,8 @@
 """LLMEngine: tokenizes, admits and aborts requests, and runs one scheduler step at a time.
 
 With --kv-offload it also owns the KV connector and its store (engine/kv_offload.py):
-its stats, the admin operations (pin, unpin, flush) and its shutdown.
+its stats, the admin operations (pin, unpin, flush) and its shutdown. A segmented prompt
+(engine/blend) goes to the `Blender`, which hands it to the scheduler once blended.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -96,6 +98,8 @@ class LLMEngine:
         warn_if_shared_without_secret(self.config)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
+        self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
+                               self.block_hasher)
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}  # requests with n > 1, by id
         self._sequences: dict[str, tuple[_Group, int]] = {}  # their sequences' ids -> (group, index)
@@ -105,13 +109,14 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | Sequence[int] | Segments,
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Tokenize and queue a request (n > 1: its n sequences, see _Group). Raises
-        ValueError subclasses for bad input."""
+        """Tokenize and queue a request (n > 1: its n sequences, see _Group); a segmented
+        one (`Segments`, `SegmentedTokens`, or text with --kv-blend-separator) with n = 1 is
+        blended. Raises ValueError subclasses for bad input."""
         if request_id in self._tracked or request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
@@ -128,7 +133,7 @@ class LLMEngine:
         requests = [
             Request(
                 request_id=sequence_id,
-                prompt_token_ids=token_ids,
+                prompt_token_ids=list(token_ids),
                 sampling_params=_sequence_params(params, index),
                 eos_token_ids=frozenset(self.spec.eos_token_ids),
                 cache_salt=cache_salt,
@@ -136,10 +141,14 @@ class LLMEngine:
             )
             for index, sequence_id in enumerate(ids)
         ]
-        self.scheduler.add_request(requests[0], requests[1:])
+        # n > 1 shares one prefill among its sequences (a group), which a blend does not do:
+        # such a request runs as the plain prompt
+        blended = params.n == 1 and self.blender.accepts(token_ids) and self.blender.add(requests[0], token_ids)
+        if not blended:
+            self.scheduler.add_request(requests[0], requests[1:])
         text = prompt if isinstance(prompt, str) else None
         for request in requests:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             self._tracked[request.request_id] = _Tracked(request, text, detok)
         if params.n > 1:
             group = self._groups[request_id] = _Group(request_id, ids, [None] * params.n)
@@ -153,23 +162,47 @@ class LLMEngine:
             group = self._groups.get(rid)
             ids += [rid] if group is None else self._forget_group(group)
         ids = [rid for rid in ids if rid in self._tracked]
+        self.blender.abort(ids)
         self.scheduler.abort_requests(ids)
         for rid in ids:
             self._forget(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.blender.has_waiting()
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(
+        self, prompt: str | Sequence[int] | Segments, separator: str | None = None
+    ) -> list[int] | SegmentedTokens:
+        """Token ids of a prompt; `SegmentedTokens` for segments, or for text that the
+        separator (`separator`, else --kv-blend-separator) splits."""
+        if isinstance(prompt, SegmentedTokens):
+            return prompt
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            segments = split_text(prompt, separator or self.config.kv_blend_separator)
+            if segments is None:
+                return self._encode_text(prompt, True)
+            prompt = segments
+        if isinstance(prompt, Segments):
+            return tokenize_segments(self._encode_text, prompt, add_special_tokens=True)
         return list(prompt)
 
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def encode_chat(
-        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
-    ) -> list[int]:
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+        separator: str | None = None,
+    ) -> list[int] | SegmentedTokens:
         """`messages` through the chat template (`chat_template`, else the model's or
-        --chat-template's), tokenized."""
+        --chat-template's), tokenized; segmented where the separator (`separator`, else
+        --kv-blend-separator) occurs in a message."""
+        separator = separator or self.config.kv_blend_separator
+        if separator and any(separator in m["content"] for m in messages):
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False)
+            segments = split_text(text, separator)
+            if segments is not None:  # the template carries its own special tokens
+                return tokenize_segments(self._encode_text, segments, add_special_tokens=False)
         encoded = self.tokenizer.apply_chat_template(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             tokenize=True, return_dict=False,
@@ -180,14 +213,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that changed. A request
-        that makes the step raise fails alone (finish reason "error"); see `_isolate`."""
+        that makes the step raise fails alone (finish reason "error"); see `_isolate`.
+        Blended prefills run first, so their requests take part in this step."""
+        outputs = [self._make_output(self._tracked[r.request_id], "", []) for r in self.blender.step()]  # failed
         out = self.scheduler.schedule()
         if not out.requests:
             if self.scheduler.num_loading:
                 self.connector.wait_for_loads(LOAD_WAIT_S)
-            return []
+            return outputs
         sampled, failures = self._execute(out)
-        outputs = self._fail(failures)
+        outputs += self._fail(failures)
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
         for request in out.requests:
             if request.request_id not in sampled and request.request_id not in finished:
@@ -357,6 +392,7 @@ class LLMEngine:
         `kv_tiers` (see kv_store_stats) when a store is configured."""
         stats = dict(self.scheduler.stats())
         stats.update(num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size)
+        stats.update(self.blender.stats())
         stats.update(self.connector.stats())
         if self.config.kv_offload:
             stats["kv_tiers"] = self.kv_store_stats()

@@ -45,6 +45,7 @@ class Request:
     peak_computed_tokens: int = 0  # most tokens ever computed: beyond a resume, work redone
     num_cached_tokens: int = -1  # device and store hits at first admission (-1: not yet)
     num_external_tokens: int = 0  # of those, tokens loaded from the KV store
+    external_tiers: list[tuple[str, int]] = field(default_factory=list)  # (tier, tokens) runs of those, in order
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -106,7 +106,7 @@ class Scheduler:
         could never run, ValueError for an empty prompt or a duplicate id."""
         group = [request, *(followers or [])]
         for member in group:
-            self._validate(member)
+            self.validate(member)
         if len({m.request_id for m in group}) < len(group):
             raise ValueError("the requests of one group need distinct ids")
         self.block_hasher.extend(request.block_hashes, request.prompt_token_ids, request.cache_salt)
@@ -117,6 +117,14 @@ class Scheduler:
         self.waiting.append(request)
         if followers:
             self.forks[request.request_id] = list(followers)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose blocks, and KV of its first num_computed_tokens tokens,
+        are in place already (a blended prefill, engine/blend); it runs from there."""
+        request.status = RequestStatus.RUNNING
+        request.peak_computed_tokens = request.num_computed_tokens
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish unfinished requests from outside a step (abort, stop string, error)."""
@@ -216,7 +224,8 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise ValueError (RequestTooLongError) for a request that can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
@@ -373,10 +382,12 @@ class Scheduler:
             self.running.append(request)
 
     def _note_admitted(self, request: Request, num_local: int, num_external: int) -> None:
-        """Record the first admission's cache hits (device and store) and time."""
+        """Record the first admission's cache hits (device and store, by tier) and time."""
+        tiers = self.connector.take_load_tiers(request.request_id)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_local + num_external
             request.num_external_tokens = num_external
+            request.external_tiers = tiers
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 

@@ -121,6 +121,22 @@ class Load:
             total += part.count
         return total
 
+    def tier_runs(self, num_blocks: int) -> list[tuple[str, int]]:
+        """(tier, blocks) of the first `num_blocks` blocks that arrived, in block order;
+        neighbouring parts from one tier make one run (once done)."""
+        runs: list[tuple[str, int]] = []
+        left = num_blocks
+        for part in self.parts:
+            if left <= 0 or part.tier is None:
+                break
+            count = min(part.count, left)
+            if runs and runs[-1][0] == part.tier:
+                runs[-1] = (part.tier, runs[-1][1] + count)
+            else:
+                runs.append((part.tier, count))
+            left -= count
+        return runs
+
 
 class TieredStore:
     def __init__(

@@ -42,7 +42,7 @@ def _state(request: Request) -> ServerState:
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionBody) -> Response:
     state = _state(request)
-    state.check_prompt_count(len(body.prompt))  # before any prompt is tokenized
+    state.check_prompt_count(body.num_prompts)  # before any prompt is tokenized
     return await create_completion(state, body, request)
 
 

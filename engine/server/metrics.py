@@ -82,6 +82,18 @@ CONNECTOR_COUNTERS = {
     "kv_save_copy_seconds": ("kvtier:save_copy_seconds", "Time copying device KV out for saving."),
 }
 EXTERNAL_HIT_PREFIX = "kv_external_hit_tokens_"  # + tier name
+# the blender's flat `kv_blend_*` engine stats (cumulative; engine/blend)
+BLEND_COUNTERS = {
+    "kv_blend_requests": ("kvtier:blend_requests", "Requests whose prompt was blended from stored segments."),
+    "kv_blend_prompt_tokens": ("kvtier:blend_prompt_tokens", "Prompt tokens of blended requests."),
+    "kv_blend_prefix_hit_tokens": ("kvtier:blend_prefix_hit_tokens",
+                                   "Blended prompt tokens found as a prefix (exact, or the same blend)."),
+    "kv_blend_recomputed_tokens": ("kvtier:blend_recomputed_tokens",
+                                   "Blended prompt tokens computed in context (selected, not stored, the question)."),
+    "kv_blend_segment_prefills": ("kvtier:blend_segment_prefills",
+                                  "Segments prefilled alone (computed, or loaded from the store) for blending."),
+}
+BLEND_REUSED_PREFIX = "kv_blend_reused_tokens_"  # + where the segment's KV was: device, a tier, computed
 TIER_COUNTERS = {
     "hit_tokens": ("kvtier:store_hit_tokens", "Tokens found in the tier."),
     "miss_tokens": ("kvtier:store_miss_tokens", "Tokens looked up and not found in the tier."),
@@ -193,7 +205,7 @@ class EngineStatsCollector:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(stats.get(key, 0)))
             yield family
-        for key, (name, doc) in (ENGINE_COUNTERS | CONNECTOR_COUNTERS).items():
+        for key, (name, doc) in (ENGINE_COUNTERS | CONNECTOR_COUNTERS | BLEND_COUNTERS).items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(stats.get(key, 0)))
             yield family
@@ -202,6 +214,15 @@ class EngineStatsCollector:
         for key, count in stats.items():
             if key.startswith(EXTERNAL_HIT_PREFIX):
                 family.add_metric([self._model_name, key.removeprefix(EXTERNAL_HIT_PREFIX)], float(count))
+        yield family
+        family = CounterMetricFamily(
+            "kvtier:blend_reused_tokens", "Blended prompt tokens that kept their segment's stored KV, by where "
+            "that KV was when the request came: device (cache), cpu, disk or redis (the tier its segment "
+            "prefill loaded it from), computed (by its segment prefill).",
+            labels=["model_name", "source"])
+        for key, count in stats.items():
+            if key.startswith(BLEND_REUSED_PREFIX):
+                family.add_metric([self._model_name, key.removeprefix(BLEND_REUSED_PREFIX)], float(count))
         yield family
 
 

@@ -7,6 +7,11 @@ the GIL while it works, so the engine thread and the event loop keep running mea
 tokenized only up to `max_model_len * PREFIX_CHARS_PER_TOKEN` characters: when that
 prefix alone leaves no room for an output token, the request is refused without
 tokenizing the rest.
+
+A segmented prompt (the completions API's `segments`, or text split at the request's
+`kv_blend_separator` or else `--kv-blend-separator`) is tokenized segment by segment
+like `LLMEngine.encode` does, into `SegmentedTokens` (engine/blend), which the engine
+blends.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
 
@@ -44,18 +50,29 @@ class PromptTokenizer:
     """Tokenizes completion prompts and chat messages like `LLMEngine.encode` and
     `encode_chat` do, in a worker thread; raises PromptTooLongError for a prompt of
     `max_model_len` tokens or more. `tokenizer` is a transformers fast tokenizer that the
-    engine thread does not use (the worker threads only read it)."""
+    engine thread does not use (the worker threads only read it); `separator` is
+    --kv-blend-separator."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, separator: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._backend = backend_tokenizer(tokenizer)
         self.max_model_len = max_model_len
+        self.separator = separator
 
-    async def encode(self, prompts: Sequence[str | list[int]], param: str = "prompt") -> list[list[int]]:
-        """Token ids of each prompt (text or ids), checked against max_model_len."""
+    async def encode(
+        self, prompts: Sequence[str | list[int] | Segments], param: str = "prompt", separator: str | None = None
+    ) -> list[list[int] | SegmentedTokens]:
+        """Token ids of each prompt (text, ids or segments), checked against
+        max_model_len; text that `separator` (else --kv-blend-separator) splits is
+        segmented."""
+        separator = separator or self.separator
         token_lists = []
         for prompt in prompts:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and (segments := split_text(prompt, separator)) is not None:
+                prompt = segments
+            if isinstance(prompt, Segments):
+                token_ids = await self._run(self._encode_segments, prompt, True, param)
+            elif isinstance(prompt, str):
                 token_ids = await self._run(self._encode_text, prompt, True, param)
             else:
                 token_ids = list(prompt)
@@ -63,29 +80,50 @@ class PromptTokenizer:
             token_lists.append(token_ids)
         return token_lists
 
-    async def encode_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
-        """The chat template applied to `messages` (with the generation prompt), tokenized."""
-        return await self._run(self._encode_chat, messages, param)
+    async def encode_chat(
+        self, messages: list[dict], param: str = "messages", separator: str | None = None
+    ) -> list[int] | SegmentedTokens:
+        """The chat template applied to `messages` (with the generation prompt),
+        tokenized; segmented where `separator` (else --kv-blend-separator) occurs in a
+        message."""
+        return await self._run(self._encode_chat, messages, separator or self.separator, param)
 
     @staticmethod
     async def _run(fn: Callable[..., list[int]], *args: Any) -> list[int]:
         return await asyncio.to_thread(fn, *args)
 
-    def _encode_chat(self, messages: list[dict], param: str) -> list[int]:
+    def _encode_chat(self, messages: list[dict], separator: str | None, param: str) -> list[int] | SegmentedTokens:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The rendered template carries its own special tokens, as apply_chat_template's
         # own tokenization assumes.
+        if separator and any(separator in m["content"] for m in messages):
+            segments = split_text(text, separator)
+            if segments is not None:
+                return self._encode_segments(segments, False, param)
         return self._encode_text(text, False, param)
 
+    def _encode_segments(self, segments: Segments, add_special_tokens: bool, param: str) -> SegmentedTokens:
+        texts = [p for p in segments.parts if isinstance(p, str)]
+        if sum(map(len, texts)) > self.max_model_len * PREFIX_CHARS_PER_TOKEN:
+            # as for one text: the joined prefix refuses an overlong prompt before its whole is tokenized
+            self._check_prefix("".join(texts), add_special_tokens, param)
+        token_ids = tokenize_segments(self._tokenize, segments, add_special_tokens)
+        self._check(len(token_ids), param, at_least=False)
+        return token_ids
+
     def _encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        prefix_chars = self.max_model_len * PREFIX_CHARS_PER_TOKEN
-        if len(text) > prefix_chars:
-            num_prefix = len(self._tokenize(text[:prefix_chars], add_special_tokens))
-            if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
-                raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
+        if len(text) > self.max_model_len * PREFIX_CHARS_PER_TOKEN:
+            self._check_prefix(text, add_special_tokens, param)
         token_ids = self._tokenize(text, add_special_tokens)
         self._check(len(token_ids), param, at_least=False)
         return token_ids
+
+    def _check_prefix(self, text: str, add_special_tokens: bool, param: str) -> None:
+        """Refuse `text` when its first max_model_len * PREFIX_CHARS_PER_TOKEN characters
+        already overflow the context."""
+        num_prefix = len(self._tokenize(text[: self.max_model_len * PREFIX_CHARS_PER_TOKEN], add_special_tokens))
+        if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
+            raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch releases the GIL while it tokenizes; encode does not.

@@ -23,15 +23,19 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
+from engine.blend.segments import MAX_SEGMENTS
+
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's bound on completions per prompt
+MAX_SEPARATOR_CHARS = 64
 
 # A prompt after validation: one entry per prompt, each text or token ids.
 Prompts = list[str | list[int]]
@@ -70,6 +74,17 @@ def parse_prompt(value: Any) -> Prompts:
     raise ValueError(
         "must be a string, a non-empty list of strings, a list of non-negative token ids, "
         "or a list of non-empty token-id lists"
+    )
+
+
+def parse_segments(value: Any) -> list[str | list[int]]:
+    """A prompt's segments: a list of texts, or a list of token-id lists."""
+    kinds_ok = isinstance(value, list) and (
+        all(isinstance(s, str) for s in value) or all(_is_token_list(s) for s in value))
+    if kinds_ok and 0 < len(value) <= MAX_SEGMENTS:
+        return [check_unicode(s) if isinstance(s, str) else s for s in value]
+    raise ValueError(
+        f"must be a list of 1 to {MAX_SEGMENTS} strings, or of as many lists of non-negative token ids"
     )
 
 
@@ -145,6 +160,8 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
+    # marks segment boundaries in the prompt text: the request is blended (engine/blend)
+    kv_blend_separator: Text | None = Field(None, min_length=1, max_length=MAX_SEPARATOR_CHARS)
     user: Text | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -168,7 +185,9 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[Prompts, BeforeValidator(parse_prompt)]
+    prompt: Annotated[Prompts, BeforeValidator(parse_prompt)] | None = None
+    # the prompt as its segments (system prompt, documents, question), instead of `prompt`
+    segments: Annotated[list[str | list[int]], BeforeValidator(parse_segments)] | None = None
     max_tokens: int | None = Field(None, ge=1)  # unset: 16, as OpenAI (less if the context is shorter)
     logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked in serving)
     echo: bool = False
@@ -178,6 +197,25 @@ class CompletionRequest(_SamplingRequest):
     _no_echo = field_validator("echo")(only_neutral(False))
     _no_best_of = field_validator("best_of")(only_neutral(None, 1))
     _no_suffix = field_validator("suffix")(only_neutral(None, ""))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_required(cls, data: Any) -> Any:
+        """Without segments, `prompt` is a required field (and reported as one)."""
+        if isinstance(data, dict) and data.get("prompt") is None and data.get("segments") is None:
+            raise ValidationError.from_exception_data(cls.__name__, [{"type": "missing", "loc": ("prompt",), "input": data}])
+        return data
+
+    @model_validator(mode="after")
+    def _prompt_or_segments(self) -> CompletionRequest:
+        if self.prompt is not None and self.segments is not None:
+            raise ValueError("give exactly one of prompt or segments")
+        return self
+
+    @property
+    def num_prompts(self) -> int:
+        """How many engine requests the body asks for (segments make one prompt)."""
+        return 1 if self.prompt is None else len(self.prompt)
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -15,6 +15,7 @@ from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
 from engine.async_engine import EngineClosedError, EngineDeadError
+from engine.blend.segments import Segments
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, engine_error
@@ -49,7 +50,8 @@ CLIENT_CLOSED_REQUEST = 499
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
     _check_logprobs(state, body.logprobs, "logprobs")
-    token_lists = await _tokenized(state, state.prompts.encode(body.prompt, "prompt"), "prompt")
+    prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
+    token_lists = await _tokenized(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
@@ -57,7 +59,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
     fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n)
-    return await _run(state, raw, body, jobs, fmt, "prompt")
+    return await _run(state, raw, body, jobs, fmt, param)
 
 
 async def create_chat_completion(
@@ -66,7 +68,9 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     _check_logprobs(state, body.top_logprobs, "top_logprobs")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    token_ids = await _tokenized(state, state.prompts.encode_chat(messages, "messages"), "messages")
+    token_ids = await _tokenized(
+        state, state.prompts.encode_chat(messages, "messages", body.kv_blend_separator), "messages"
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
     params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)

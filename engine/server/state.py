@@ -84,7 +84,7 @@ def create_state(
         vocab_size=engine.spec.vocab_size,
         max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
-        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len),
+        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len, engine.config.kv_blend_separator),
         token_text=_token_text_function(tokenizer),
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,

@@ -26,7 +26,7 @@ NEEDS_REDIS = ("cross-instance", "store-hits")
 # the store alone (its smoke skips the model's KV); the built-in model's start-up
 NO_MODEL = ("store", "startup")
 # Workloads on the shared driver, which record the model and their --smoke
-DRIVER_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill")
+DRIVER_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill", "rag-blend")
 ALL_WORKLOADS = tuple(WORKLOADS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

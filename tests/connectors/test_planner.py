@@ -103,3 +103,20 @@ def test_a_lookup_waits_for_the_remote_index_then_finds_another_instances_record
                 wait([probe], 1)
             answer = planner.match(request, 0)
         assert answer == (24, True)  # every loadable block, read asynchronously from Redis
+        planner.allocated(request, list(range(7)), 24)
+        deadline = time.monotonic() + 10
+        while not planner.finished_loads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert planner.take_load_tiers("a") == [("redis", 24)]
+
+
+def test_load_tiers_are_the_runs_a_settled_load_delivered_read_once(store):
+    a = make_request("a", list(range(100, 126)))
+    assert store.save([store.key(a.block_hashes[:4])], [torch.zeros(4, *SPEC.block_shape)]).result(5).complete
+    planner = Planner(store, GEOMETRY, save_decode=False)
+    b = make_request("b", a.prompt_token_ids[:10] + [7] * 16)
+    assert planner.match(b, 0) == (8, False)
+    assert planner.take_load_tiers("b") == []  # not admitted yet
+    planner.allocated(b, list(range(7)), 8)
+    assert planner.take_load_tiers("b") == [("cpu", 8)]
+    assert planner.take_load_tiers("b") == []

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "test-admin-token-0123456789"
@@ -92,6 +93,26 @@ def server_flags(model_path: str, *extra: str, num_kv_blocks: int = 256) -> list
         "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME,
         "--log-level", "warning", *extra,
     ]
+
+
+def scrape(http: httpx.Client) -> dict[str, dict[str, float]]:
+    """family name -> {sample name + labels: value}."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    families = {}
+    for family in text_string_to_metric_families(response.text):
+        families[family.name] = family
+    return families
+
+
+def value(families, name: str, sample: str | None = None, **labels: str) -> float:
+    family = families[name]
+    sample = sample or (name + "_total" if family.type == "counter" else name)
+    total = 0.0
+    for s in family.samples:
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+            total += s.value
+    return total
 
 
 class RawConnection:

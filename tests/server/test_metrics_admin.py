@@ -9,9 +9,15 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_helpers import ADMIN_TOKEN, MODEL_NAME, ServerProcess, server_flags
+from tests.server.server_helpers import (
+    ADMIN_TOKEN,
+    MODEL_NAME,
+    ServerProcess,
+    scrape,
+    server_flags,
+    value,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,26 +52,6 @@ KVTIER_TIER_METRICS = {
     "kvtier:store_save_latency_seconds": "histogram",
 }
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-def scrape(http: httpx.Client) -> dict[str, dict[str, float]]:
-    """family name -> {sample name + labels: value}."""
-    response = http.get("/metrics")
-    assert response.status_code == 200
-    families = {}
-    for family in text_string_to_metric_families(response.text):
-        families[family.name] = family
-    return families
-
-
-def value(families, name: str, sample: str | None = None, **labels: str) -> float:
-    family = families[name]
-    sample = sample or (name + "_total" if family.type == "counter" else name)
-    total = 0.0
-    for s in family.samples:
-        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-            total += s.value
-    return total
 
 
 def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict:

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from engine.blend import SegmentedTokens, Segments
 from engine.server.prompts import PREFIX_CHARS_PER_TOKEN, PromptTokenizer, PromptTooLongError
 from tests.server.server_helpers import MAX_MODEL_LEN
 
@@ -67,3 +68,30 @@ def test_server_refuses_a_long_prompt_with_a_400(http):
     assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
     assert "at least" in error["message"]
     assert http.post("/v1/completions", json={**body, "prompt": "word " * 10}).status_code == 200
+
+
+def test_segmented_prompts_equal_the_engines_own(model_path, offline_llm):
+    """Segments, and text or chat split at the request's or the default separator, give
+    the engine's SegmentedTokens (each segment tokenized alone)."""
+    engine = offline_llm.engine
+    sep = "<S>"
+    prompts = PromptTokenizer(AutoTokenizer.from_pretrained(model_path), MAX_MODEL_LEN, separator=sep)
+    text = sep.join(TEXTS)
+    expected = engine.encode(text, sep)
+    assert isinstance(expected, SegmentedTokens) and len(expected.starts) == len(TEXTS)
+    assert asyncio.run(prompts.encode([text])) == [expected]
+    assert asyncio.run(prompts.encode([Segments(TEXTS)])) == [engine.encode(Segments(TEXTS))] == [expected]
+    other = PromptTokenizer(prompts.tokenizer, MAX_MODEL_LEN)
+    assert asyncio.run(other.encode([text])) == [engine.encode(text)]  # no separator: one plain prompt
+    assert asyncio.run(other.encode([text], separator=sep)) == [expected]
+    chat = [MESSAGES[0], {"role": "user", "content": f"{TEXTS[0]}{sep}{TEXTS[1]}"}]
+    assert asyncio.run(prompts.encode_chat(chat)) == engine.encode_chat(chat, separator=sep)
+    assert isinstance(engine.encode_chat(chat, separator=sep), SegmentedTokens)
+
+
+def test_an_overlong_segmented_prompt_is_refused_from_its_prefix(prompts):
+    huge = "some ordinary words of text, " * 100_000
+    with pytest.raises(PromptTooLongError, match=r"segments alone has at least \d+ tokens"):
+        asyncio.run(prompts.encode([Segments(["system", huge, "question"])], "segments"))
+    with pytest.raises(PromptTooLongError, match=r"segments alone has \d+ tokens"):
+        asyncio.run(prompts.encode([Segments(["word " * 200, "word " * 200])], "segments"))

@@ -1,0 +1,332 @@
+"""Blender: runs the requests whose prompts are segmented, from arrival to their handoff.
+
+1. Segment prefills. Each segment but the last (the question) must have its KV,
+   computed alone from position 0, in the device prefix cache. Such KV is exactly the
+   KV of a prompt made of that segment alone, so its ordinary chained block hashes
+   (the request's cache_salt in the first block, no other mark) name it: a segment
+   missing from the device becomes an ordinary request of its tokens (one output
+   token, discarded), which the scheduler batches with everything else, the connector
+   loads from the store tiers when they hold it and saves to them when they do not.
+   One segment prefill serves every request that waits for the same segment.
+2. Blended prefill. Once its segment prefills are done, a request is admitted here
+   (before the scheduler's step, so that nothing is allocated in between and the
+   segments' cached blocks are still there): its exact prefix hit on the device stays
+   exact, the segment blocks are held, the region after the hit is computed by
+   `blend_prefill` into blocks of its own, all but the last prompt token.
+3. Handoff. The request joins the scheduler's running requests with that KV computed;
+   the next forward computes its last prompt token over the blended KV and samples,
+   exactly as for a prefix hit, and it decodes like any request.
+
+Segments not stored are computed alone first rather than in context, so a prompt's
+blend does not depend on whether its documents were seen before, and its first sight
+already stores every document for the next one. A segment evicted between its prefill
+and the blend (memory pressure) is computed in context instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
+from engine.blend.plan import ReuseSources, blend_mark, blended_block_hashes, reuse_sources
+from engine.blend.segments import SegmentedTokens
+from engine.block_pool import KVBlock
+from engine.config import OFFLOAD_TIERS, EngineConfig
+from engine.hashing import BlockHasher
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_ID_PREFIX = "\x00kv-segment-"  # segment prefill request ids; no client sends NUL
+# where a reused segment's KV was when its request came: the device cache, a store tier
+# (loaded by its segment prefill), or nowhere (computed by its segment prefill)
+SOURCES = ("device", *OFFLOAD_TIERS, "computed")
+
+
+@dataclass
+class _SegmentPrefill:
+    """An ordinary request computing (or loading) one segment alone."""
+
+    request: Request
+    waiters: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Waiting:
+    """A segmented request waiting for its segment prefills."""
+
+    request: Request
+    tokens: SegmentedTokens
+    segment_hashes: list[list[bytes]]  # per segment: its block hashes computed alone
+    pending: set[bytes]  # keys of the segment prefills not finished yet
+    prefills: dict[int, Request] = field(default_factory=dict)  # segment index -> its prefill
+
+
+class Blender:
+    def __init__(
+        self, config: EngineConfig, model: torch.nn.Module, kv_cache: torch.Tensor,
+        kv: KVCacheManager, scheduler: Scheduler, block_hasher: BlockHasher,
+    ) -> None:
+        self.recompute_ratio = config.kv_blend_recompute_ratio
+        self.enabled = config.enable_prefix_caching
+        self.max_num_seqs = config.max_num_seqs
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv = kv
+        self.scheduler = scheduler
+        self.hasher = block_hasher
+        self.block_size = kv.block_size
+        self._rotary: ShiftRotary | None = None  # built at the first blend: most engines never blend
+        self.waiting: dict[str, _Waiting] = {}
+        self.prefills: dict[bytes, _SegmentPrefill] = {}
+        self._ids = itertools.count()
+        self.counters: Counter[str] = Counter()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def accepts(self, token_ids: object) -> bool:
+        """Whether a prompt is blended: segmented, with at least one segment before the
+        question, and the device prefix cache on (it holds the segments)."""
+        return self.enabled and isinstance(token_ids, SegmentedTokens) and len(token_ids.starts) > 1
+
+    def add(self, request: Request, tokens: SegmentedTokens) -> bool:
+        """Take a segmented request; False (nothing taken) when the pool could never hold
+        its segments beside its own blocks: it then runs as an ordinary request.
+        Raises RequestTooLongError as the scheduler would."""
+        self.scheduler.validate(request)
+        if 2 * cdiv(request.num_prompt_tokens, self.block_size) > self.kv.num_blocks:
+            return False
+        salt = request.cache_salt
+        bounds = tokens.bounds
+        segment_hashes = [self.hasher.hashes(tokens[a:b], salt) for a, b in bounds]
+        waiting = _Waiting(request, tokens, segment_hashes, set())
+        exact_end = self._exact_hit(request) * self.block_size  # segments inside it need nothing
+        for index, hashes in enumerate(segment_hashes[:-1]):
+            if bounds[index][1] > exact_end and hashes and not all(self._cached(h) for h in hashes):
+                waiting.prefills[index] = self._segment_prefill(waiting, hashes[-1], tokens, bounds[index])
+        self.waiting[request.request_id] = waiting
+        return True
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            waiting = self.waiting.pop(request_id, None)
+            if waiting is not None:
+                self._release_prefills(waiting)
+
+    def has_waiting(self) -> bool:
+        return bool(self.waiting)
+
+    def stats(self) -> dict[str, int]:
+        """`kv_blend_*` counters: blended requests and their prompt tokens; tokens from
+        the exact (or same-blend) prefix hit; tokens that kept their moved segment KV,
+        in all and by where the segment was when the request came (`SOURCES`: the
+        device cache, the store tier its segment prefill loaded it from, or computed by
+        that prefill); tokens computed in context; segment prefills run."""
+        keys = ["kv_blend_requests", "kv_blend_prompt_tokens", "kv_blend_prefix_hit_tokens",
+                "kv_blend_reused_tokens", *(f"kv_blend_reused_tokens_{s}" for s in SOURCES),
+                "kv_blend_recomputed_tokens", "kv_blend_segment_prefills"]
+        return {key: self.counters[key] for key in keys}
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Blend the requests whose segment prefills are done (in arrival order, while a
+        seat and blocks are free) and hand them to the scheduler; returns those whose
+        blend failed, finished with their error."""
+        self._collect_prefills()
+        failed = []
+        for request_id, waiting in list(self.waiting.items()):
+            if waiting.pending:
+                continue
+            if self.scheduler.num_running + self.scheduler.num_loading >= self.max_num_seqs:
+                break
+            try:
+                if not self._admit(waiting):
+                    break
+            except Exception as exc:  # one bad request must not take the engine down
+                logger.exception("blended prefill of %s failed", request_id)
+                self.kv.free(waiting.request)
+                self._finish_failed(waiting.request, f"{type(exc).__name__}: {exc}")
+                failed.append(waiting.request)
+            del self.waiting[request_id]
+        return failed
+
+    def _admit(self, waiting: _Waiting) -> bool:
+        """Blend one request and hand it over; False (nothing changed) when the pool
+        cannot hold its blocks now."""
+        request, tokens = waiting.request, waiting.tokens
+        bs = self.block_size
+        exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
+        mark = blend_mark(self.recompute_ratio, tokens.starts)
+        request.block_hashes = blended_block_hashes(
+            exact, self._exact_hit(request, exact), request.prompt_token_ids, bs, self.hasher.seed,
+            request.cache_salt, mark)
+        hits = self._hit_blocks(request.block_hashes[: self._loadable_blocks(request)])
+        start, end = len(hits) * bs, request.num_prompt_tokens - 1
+        held: list[KVBlock] = []
+
+        def stored_block(segment: int, block: int) -> int | None:
+            found = self.kv.block_pool.get_cached_block(waiting.segment_hashes[segment][block])
+            if found is not None:
+                held.append(found)
+            return None if found is None else found.block_id
+
+        sources = reuse_sources(tokens.bounds, (start, end), bs, stored_block)
+        self.kv.block_pool.touch(held)  # so that allocating the region cannot evict them
+        try:
+            if self.kv.allocate_slots(request, 0, hits, end - start) is None:
+                return False
+            recomputed = self._blend(request, start, end, sources)
+        finally:
+            self.kv.block_pool.free_blocks(held)
+        reused = self._count(waiting, sources, recomputed)
+        self.counters["kv_blend_requests"] += 1
+        self.counters["kv_blend_prompt_tokens"] += request.num_prompt_tokens
+        self.counters["kv_blend_prefix_hit_tokens"] += start
+        self.counters["kv_blend_recomputed_tokens"] += end - start - reused + 1  # + the last token
+        request.num_computed_tokens = end
+        request.num_cached_tokens = start + reused
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        self.scheduler.add_running(request)
+        return True
+
+    def _blend(self, request: Request, start: int, end: int, sources: ReuseSources) -> list[int]:
+        """Compute positions start .. end-1 into the request's blocks; the region rows
+        computed in context. On failure the region's slots are zeroed (a forward that
+        raised may have left anything there) before the error goes up."""
+        if end <= start:
+            return []
+        device = self.kv_cache.device
+        table = torch.tensor(self.kv.get_block_ids(request.request_id), dtype=torch.long)
+        positions = torch.arange(end)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        plan = BlendPlan(
+            token_ids=torch.tensor(request.prompt_token_ids[start:end], dtype=torch.long, device=device),
+            positions_cpu=positions[start:],
+            context_slots=slots[:start].to(device),
+            dest_slots=slots[start:].to(device),
+            reuse_slots=torch.tensor(sources.slots, dtype=torch.long, device=device),
+            reuse_shift=torch.tensor(sources.shifts, dtype=torch.long, device=device),
+            recompute_ratio=self.recompute_ratio,
+        )
+        try:
+            with torch.inference_mode():
+                if self._rotary is None:
+                    self._rotary = ShiftRotary(self.model)
+                result = blend_prefill(self.model, self.kv_cache, plan, self._rotary)
+        except Exception:
+            dest = plan.dest_slots
+            self.kv_cache[dest // self.block_size, :, :, dest % self.block_size] = 0
+            raise
+        return result.rows.tolist()
+
+    # ---- segment prefills -------------------------------------------------------------------
+
+    def _segment_prefill(
+        self, waiting: _Waiting, key: bytes, tokens: SegmentedTokens, bounds: tuple[int, int]
+    ) -> Request:
+        """The prefill of one segment alone, started unless one is running already."""
+        prefill = self.prefills.get(key)
+        if prefill is None:
+            parent = waiting.request
+            child = Request(
+                request_id=f"{SEGMENT_ID_PREFIX}{next(self._ids)}",
+                prompt_token_ids=list(tokens[bounds[0] : bounds[1]]),
+                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                cache_salt=parent.cache_salt,
+                arrival_time=parent.arrival_time,
+            )
+            self.scheduler.add_request(child)
+            prefill = self.prefills[key] = _SegmentPrefill(child)
+            self.counters["kv_blend_segment_prefills"] += 1
+        prefill.waiters.add(waiting.request.request_id)
+        waiting.pending.add(key)
+        return prefill.request
+
+    def _collect_prefills(self) -> None:
+        """Release the requests waiting on segment prefills that finished (however)."""
+        for key, prefill in list(self.prefills.items()):
+            if not prefill.request.is_finished:
+                continue
+            del self.prefills[key]
+            for request_id in prefill.waiters:
+                waiting = self.waiting.get(request_id)
+                if waiting is not None:
+                    waiting.pending.discard(key)
+
+    def _release_prefills(self, waiting: _Waiting) -> None:
+        """An aborted request no longer waits; a prefill nobody waits for is aborted."""
+        for key in waiting.pending:
+            prefill = self.prefills.get(key)
+            if prefill is None:
+                continue
+            prefill.waiters.discard(waiting.request.request_id)
+            if not prefill.waiters:
+                del self.prefills[key]
+                self.scheduler.abort_requests([prefill.request.request_id])
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _cached(self, block_hash: bytes) -> bool:
+        return self.kv.block_pool.get_cached_block(block_hash) is not None
+
+    def _loadable_blocks(self, request: Request) -> int:
+        """Whole blocks before the prompt's last token (which is always computed)."""
+        return (request.num_prompt_tokens - 1) // self.block_size
+
+    def _exact_hit(self, request: Request, exact: list[bytes] | None = None) -> int:
+        """Blocks of the prompt's exact prefix in the device cache."""
+        if exact is None:
+            exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
+        return len(self._hit_blocks(exact[: self._loadable_blocks(request)]))
+
+    def _hit_blocks(self, hashes: list[bytes]) -> list[KVBlock]:
+        hits = []
+        for block_hash in hashes:
+            block = self.kv.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _count(self, waiting: _Waiting, sources: ReuseSources, recomputed: list[int]) -> int:
+        """Count the tokens that kept their moved KV, by where their segment's KV was
+        when the request came; returns their number."""
+        kept = [row for row, slot in enumerate(sources.slots) if slot >= 0]
+        kept = sorted(set(kept) - set(recomputed))
+        for row in kept:
+            prefill = waiting.prefills.get(sources.segments[row])
+            self.counters[f"kv_blend_reused_tokens_{_source(prefill, sources.offsets[row])}"] += 1
+        self.counters["kv_blend_reused_tokens"] += len(kept)
+        return len(kept)
+
+    def _finish_failed(self, request: Request, message: str) -> None:
+        request.error = message
+        request.status = RequestStatus.FINISHED_ERROR
+        request.finish_time = time.monotonic()
+
+
+def _source(prefill: Request | None, offset: int) -> str:
+    """Where the KV of a segment's token at `offset` was when its blended request came:
+    on the device (no segment prefill, or inside its device hit), in the store tier its
+    prefill loaded it from, or nowhere (computed by the prefill)."""
+    if prefill is None:
+        return "device"
+    position = prefill.num_cached_tokens - prefill.num_external_tokens  # the prefill's device hit
+    if offset < position:
+        return "device"
+    for tier, tokens in prefill.external_tiers:
+        position += tokens
+        if offset < position:
+            return tier
+    return "computed"

@@ -1,0 +1,220 @@
+"""The blended prefill: a prompt region whose tokens mostly reuse KV computed elsewhere.
+
+A region of a prompt (positions `plan.positions`, after `c` tokens of exact context
+already in the cache) is computed layer by layer with the model's own modules. A token
+with a stored KV (`reuse_slots >= 0`, the KV of its segment computed alone from
+position 0) takes that KV, its key rotated by `reuse_shift` positions (RoPE rotations
+compose: rotating a key computed at offset o by s gives the key at o + s). The others,
+and the tokens selected for recompute, are computed in context.
+
+Selection (CacheBlend's idea, on one check layer). Layer 0's KV depends only on the
+token and its position, so a moved key is exact there; the first layer whose KV carries
+the missing cross-attention is layer 1. Layers 0 and 1 are therefore computed for every
+token of the region, and at layer 1 the tokens whose fresh values deviate most from
+their stored ones (squared L2 distance of V, as CacheBlend's implementation measures) are
+kept for recompute, a fraction `recompute_ratio` of the reusable tokens; layers 2 and up
+compute only those and the tokens without stored KV. Ratio 1 computes everything: a
+full prefill. Why V: on SmolLM2-135M (docs/ARCHITECTURE.md, "Blending") it lowered the
+first output token's KL divergence from the full prefill more than K, K and V together,
+or a random choice, at every ratio measured; key deviations are dominated by a few
+large-magnitude key dimensions rather than by what the token carries.
+
+Attention runs over the gathered context and region KV with a causal mask by absolute
+position (recomputed tokens are scattered, which the paged kernels do not handle), in
+row tiles of explicit fp32 QK^T and softmax, like the torch reference kernel. Every
+layer's KV of the region, moved or fresh, is written to `dest_slots`, so that decoding
+afterwards reads it from the paged cache like any other KV.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from engine.models.rope import apply_rotary, inverse_frequencies
+
+# The layer whose KV deviation picks the tokens to recompute (see the module docstring).
+CHECK_LAYER = 1
+# About this many fp32 attention scores per tile.
+_TILE_SCORES = 1 << 21
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """One blended prefill. Tensors are int64 on the cache's device except `positions`,
+    which stays on the host too (`positions_cpu`) to cut attention tiles without a sync."""
+
+    token_ids: torch.Tensor  # [n]
+    positions_cpu: torch.Tensor  # [n], ascending, each >= len(context_slots)
+    context_slots: torch.Tensor  # [c]: exact KV of positions 0 .. c-1, already in the cache
+    dest_slots: torch.Tensor  # [n]: where the region's KV goes
+    reuse_slots: torch.Tensor  # [n]: slot of the token's stored KV, -1 to compute it
+    reuse_shift: torch.Tensor  # [n]: positions to move the stored key by
+    recompute_ratio: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    """`hidden`: final-normed hidden states of region rows `rows` (those computed through
+    every layer, in order); reused tokens kept their moved KV in layers after the check."""
+
+    hidden: torch.Tensor
+    rows: torch.Tensor
+    num_reused: int
+    num_recomputed: int
+
+
+class ShiftRotary:
+    """Rotations by a position offset: the model's rotary frequencies without the
+    cos/sin scaling some rope types apply (a stored key already carries it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        args = model.args
+        inv_freq, _scaling = inverse_frequencies(args.rope_parameters, args.head_dim)
+        self.inv_freq = inv_freq.to(next(model.parameters()).device)
+
+    def rotate(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """`keys [n, heads, head_dim]` moved by `shift [n]` positions, computed in fp32."""
+        angles = shift.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+        return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
+
+
+def blend_prefill(
+    model: torch.nn.Module, kv_cache: torch.Tensor, plan: BlendPlan, shift_rotary: ShiftRotary
+) -> BlendResult:
+    """Compute `plan`'s region into `kv_cache` (see the module docstring)."""
+    core = model.model
+    device = kv_cache.device
+    n = plan.num_tokens
+    block_size = kv_cache.shape[3]
+    reused = (plan.reuse_slots >= 0).nonzero().squeeze(1)
+    computed = (plan.reuse_slots < 0).nonzero().squeeze(1)
+    sources = _split_slots(plan.reuse_slots[reused], block_size)
+    context = _split_slots(plan.context_slots, block_size)
+    dest = plan.dest_slots
+    move = _Mover(shift_rotary, plan.reuse_shift[reused])
+    positions = plan.positions_cpu.to(device)
+    cos, sin = core.rotary.cos_sin(positions)
+    key_positions = torch.cat([torch.arange(len(plan.context_slots)), plan.positions_cpu])
+    check_layer = min(CHECK_LAYER, len(core.layers) - 1)
+    rows = torch.arange(n, device=device)
+    rows_cpu = torch.arange(n)
+    x = core.embed_tokens(plan.token_ids)
+    for index, layer in enumerate(core.layers):
+        kv_layer = kv_cache[:, index]
+        attn = layer.self_attn
+        q, k, v = _project(attn, layer.input_layernorm(x), cos[rows], sin[rows])
+        if index <= check_layer:  # every row is computed: fresh KV for the whole region
+            k_region, v_region = k, v
+            if index == check_layer:
+                stored_values = functools.partial(_gather, kv_layer, sources, 1)
+                rows = _select(v, reused, computed, stored_values, plan.recompute_ratio)
+                rows_cpu = rows.cpu()
+                q, x = q[rows], x[rows]
+        else:
+            k_region = k.new_empty((n, *k.shape[1:]))
+            v_region = v.new_empty((n, *v.shape[1:]))
+            k_region[reused], v_region[reused] = move(kv_layer, sources)
+            k_region[rows], v_region[rows] = k, v
+        kernels.write_kv(kv_layer, k_region, v_region, dest)
+        keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), k_region])
+        values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), v_region])
+        out = _masked_attention(q, keys, values, plan.positions_cpu[rows_cpu], key_positions, attn.scale)
+        x = x + attn.o_proj(out.flatten(1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return BlendResult(core.norm(x), rows, num_reused=n - len(rows), num_recomputed=len(rows))
+
+
+def _select(
+    v: torch.Tensor, reused: torch.Tensor, computed: torch.Tensor,
+    stored_values: Callable[[], torch.Tensor], ratio: float,
+) -> torch.Tensor:
+    """Region rows computed after the check layer: every token without stored KV, and
+    the `ratio` fraction of reusable tokens whose fresh values are farthest from their
+    stored ones."""
+    count = round(ratio * len(reused))
+    if count == 0:
+        return computed
+    if count >= len(reused):
+        return torch.arange(v.shape[0], device=v.device)
+    deviation = (v[reused].float() - stored_values().float()).square().sum((1, 2))
+    chosen = reused[deviation.topk(count).indices]
+    return torch.cat([computed, chosen]).sort().values
+
+
+class _Mover:
+    """Reads the stored KV of the reused tokens from one layer and moves the keys."""
+
+    def __init__(self, rotary: ShiftRotary, shift: torch.Tensor) -> None:
+        self.rotary = rotary
+        self.shift = shift
+
+    def __call__(
+        self, kv_layer: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = _gather(kv_layer, sources, 0)
+        return self.rotary.rotate(keys, self.shift), _gather(kv_layer, sources, 1)
+
+
+def _split_slots(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return slots // block_size, slots % block_size
+
+
+def _gather(kv_layer: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], kv: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of the given slots, `[n, kv_heads, head_dim]`."""
+    blocks, offsets = slots
+    return kv_layer[blocks, kv, offsets]
+
+
+def _project(
+    attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V of `h` through the layer's own projections, norms and rotary."""
+    num_tokens, head_dim = h.shape[0], attn.head_dim
+    q_size, kv_size = attn.num_heads * head_dim, attn.num_kv_heads * head_dim
+    q, k, v = attn.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(num_tokens, attn.num_heads, head_dim)
+    k = k.reshape(num_tokens, attn.num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, attn.num_kv_heads, head_dim)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_positions: torch.Tensor, k_positions: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Attention of `q [m, H, D]` over `k`/`v [L, KH, D]`, a query seeing the keys at
+    positions up to its own (GQA by H // KH). Positions are host tensors, keys in
+    ascending position order, so each row tile reads only the keys its last row sees."""
+    m, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.view(m, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KH, G, m, D]
+    kt = k.float().permute(1, 2, 0)  # [KH, D, L]
+    vt = v.permute(1, 0, 2)  # [KH, L, D]
+    out = q.new_empty((kv_heads, group, m, head_dim))
+    tile = max(16, min(256, _TILE_SCORES // max(1, heads * k.shape[0])))
+    visible_ends = torch.searchsorted(k_positions, q_positions, right=True).tolist()
+    k_pos_dev = k_positions.to(q.device)
+    for first in range(0, m, tile):
+        last = min(first + tile, m)
+        visible = visible_ends[last - 1]
+        rows = last - first
+        qt = qg[:, :, first:last].float().reshape(kv_heads, group * rows, head_dim)
+        scores = torch.matmul(qt, kt[:, :, :visible]).mul_(scale).view(kv_heads, group, rows, visible)
+        hidden = k_pos_dev[None, :visible] > q_positions[first:last].to(q.device)[:, None]
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype).view(kv_heads, group * rows, visible)
+        out[:, :, first:last] = torch.matmul(probs, vt[:, :visible]).view(kv_heads, group, rows, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(m, heads, head_dim)

@@ -1,0 +1,138 @@
+"""The blended forward on tiny random models (fp32, 4 layers, so that layers after the
+check layer exist): with nothing reused it is a full prefill (transformers' logits);
+moved keys equal keys computed at the new position; the check layer keeps the tokens
+whose stored KV deviates most."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
+from engine.model_runner import allocate_kv_cache
+from engine.models import load_model
+
+BLOCK_SIZE = 4
+LAYERS = 4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def checkpoint(request, tiny_model_factory) -> str:
+    return tiny_model_factory(request.param, num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    loaded, _spec = load_model(checkpoint, "float32", torch.device("cpu"))
+    return loaded
+
+
+class Scratch:
+    """A private paged cache and a bump allocator of its slots."""
+
+    def __init__(self, model) -> None:
+        args = model.args
+        self.cache = allocate_kv_cache(256, args.num_layers, BLOCK_SIZE, args.num_kv_heads, args.head_dim,
+                                       torch.float32, torch.device("cpu"))
+        self.next = 0
+        self.rotary = ShiftRotary(model)
+        self.model = model
+
+    def slots(self, n: int) -> torch.Tensor:
+        out = torch.arange(self.next, self.next + n)
+        self.next += n
+        return out
+
+    def run(self, tokens, positions, context=None, reuse=None, shift=None, ratio=1.0):
+        n = len(tokens)
+        plan = BlendPlan(
+            token_ids=torch.tensor(tokens), positions_cpu=torch.tensor(positions),
+            context_slots=context if context is not None else torch.empty(0, dtype=torch.long),
+            dest_slots=self.slots(n),
+            reuse_slots=reuse if reuse is not None else torch.full((n,), -1),
+            reuse_shift=shift if shift is not None else torch.zeros(n, dtype=torch.long),
+            recompute_ratio=ratio,
+        )
+        with torch.inference_mode():
+            return plan, blend_prefill(self.model, self.cache, plan, self.rotary)
+
+    def kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+        return self.cache[blocks, layer, 0, offsets], self.cache[blocks, layer, 1, offsets]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def test_without_reuse_it_is_a_full_prefill(checkpoint, model):
+    tokens = prompt(40)
+    scratch = Scratch(model)
+    _, result = scratch.run(tokens, range(40))
+    logits = model.compute_logits(result.hidden[-1:])
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, -1:]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert result.rows.tolist() == list(range(40)) and result.num_reused == 0
+
+
+def test_context_slots_continue_a_prefix(model):
+    """The region after 20 tokens of context equals the same tokens of a whole prefill."""
+    tokens = prompt(40, seed=1)
+    scratch = Scratch(model)
+    whole, full = scratch.run(tokens, range(40))
+    _, tail = scratch.run(tokens[20:], range(20, 40), context=whole.dest_slots[:20])
+    torch.testing.assert_close(tail.hidden, full.hidden[20:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_moved_segment_equals_the_segment_computed_at_its_new_position(model):
+    segment, shift = prompt(24, seed=2), 37
+    scratch = Scratch(model)
+    at_zero, _ = scratch.run(segment, range(24))
+    at_shift, _ = scratch.run(segment, range(shift, shift + 24))
+    moved, result = scratch.run(segment, range(shift, shift + 24), reuse=at_zero.dest_slots,
+                                shift=torch.full((24,), shift), ratio=0.0)
+    assert result.num_reused == 24 and len(result.rows) == 0
+    for layer in range(LAYERS):
+        expected_k, expected_v = scratch.kv(at_shift.dest_slots, layer)
+        k, v = scratch.kv(moved.dest_slots, layer)
+        torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, expected_v, atol=1e-5, rtol=1e-5)
+        if layer > 1:  # past the check layer the stored KV itself is used, only rotated
+            stored_k, stored_v = scratch.kv(at_zero.dest_slots, layer)
+            assert torch.equal(v, stored_v)
+            torch.testing.assert_close(scratch.rotary.rotate(stored_k, torch.full((24,), shift)), k)
+
+
+def test_the_check_layer_keeps_the_tokens_whose_stored_kv_deviates_most(model):
+    """Stored KV equal to the in-context KV except at two tokens of layers 1 and 2: a
+    ratio that recomputes two tokens recomputes exactly those, and the output is the
+    full prefill's."""
+    tokens = prompt(32, seed=3)
+    scratch = Scratch(model)
+    whole, full = scratch.run(tokens, range(32))
+    stored = scratch.slots(32)
+    scratch.cache[stored // BLOCK_SIZE, :, :, stored % BLOCK_SIZE] = \
+        scratch.cache[whole.dest_slots // BLOCK_SIZE, :, :, whole.dest_slots % BLOCK_SIZE]
+    bad = torch.tensor([5, 21])
+    for layer in (1, 2):
+        scratch.cache[stored[bad] // BLOCK_SIZE, layer, 1, stored[bad] % BLOCK_SIZE] += 3.0
+    reuse = stored.clone()
+    reuse[-1] = -1  # the last token is always computed
+    _, result = scratch.run(tokens, range(32), reuse=reuse, shift=torch.zeros(32, dtype=torch.long),
+                            ratio=2 / 31)
+    assert result.rows.tolist() == [5, 21, 31]
+    torch.testing.assert_close(result.hidden[-1], full.hidden[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_ratio_one_recomputes_everything_whatever_is_stored(model):
+    tokens = prompt(32, seed=4)
+    scratch = Scratch(model)
+    _, full = scratch.run(tokens, range(32))
+    junk = scratch.slots(32)  # never written: zeros, as far from the real KV as it gets
+    _, result = scratch.run(tokens, range(32), reuse=junk, shift=torch.zeros(32, dtype=torch.long), ratio=1.0)
+    assert result.num_reused == 0
+    torch.testing.assert_close(result.hidden, full.hidden, atol=1e-6, rtol=1e-6)
