@@ -49,6 +49,23 @@ def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) ->
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master Redis Cluster of redis-server processes on loopback; its redis+cluster:// URL."""
+    from tests.store.store_helpers import build_cluster
+
+    root = tmp_path_factory.mktemp("redis-cluster")
+    nodes = [RedisServer(redis_binary, root / f"node{i}", cluster=True) for i in range(3)]
+    try:
+        for node in nodes:
+            node.start()
+        build_cluster(nodes)
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """URL of the shared session server, emptied for this test."""

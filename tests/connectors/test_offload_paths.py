@@ -6,18 +6,15 @@ really served them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from offload_workloads import CHUNK, counters, delta, generate, hf_greedy, random_prompts
 
-from bench.redis_server import RedisServer
 from engine import LLM
 from kvstore.compression import Codec
 from kvstore.record import parse_header
-from tests.store.store_helpers import build_cluster
 
 LENGTHS = [150, 97, 130, 70]
 MAX_TOKENS = [7, 9, 6, 8]
@@ -106,21 +103,6 @@ def test_lz4_records_through_the_engine(tiny_model_factory, redis_url, tmp_path)
     assert moved["kv_loaded_tokens"] >= LOADABLE // 2
     assert len(headers) >= 2 * 4 and {h.codec for h in headers} == {Codec.LZ4_PLANES}
     assert all(h.payload_len < h.raw_len for h in headers)
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A 3-master Redis Cluster of redis-server processes on loopback ports."""
-    root = tmp_path_factory.mktemp("engine-cluster")
-    nodes = [RedisServer(redis_binary, root / f"node{i}", cluster=True) for i in range(3)]
-    try:
-        for node in nodes:
-            node.start()
-        build_cluster(nodes)
-        yield "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
-    finally:
-        for node in nodes:
-            node.stop()
 
 
 def test_redis_cluster_through_the_engine_and_across_instances(tiny_model_factory, redis_cluster, tmp_path: Path):
