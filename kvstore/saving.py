@@ -8,16 +8,19 @@ compressed. A tier keeps what it already holds (Redis checks with one EXISTS pip
 inside its put). Each write it reports to the index (which then knows the tier holds the
 record), through the store's event queue.
 
-Bytes waiting to be written are bounded by `max_pending_bytes`; beyond it, the
-lower-tier write of a record is dropped and counted rather than blocking the engine.
-When the slots are the cpu tier, at most half of them are held by pending writes, so a
-burst of saves cannot freeze the tier's LRU; beyond that, too, the write is dropped.
+Bytes waiting to be written are bounded by `max_pending_bytes`, and when the slots are
+the cpu tier at most half of them are held by pending writes, so a burst of saves cannot
+freeze the tier's LRU. Beyond either bound the engine is never blocked: a record the cpu
+tier keeps is deferred (not held, no copy) and written when a running write finishes, if
+the tier still holds it then; a record it cannot keep (staging slots, or the deferred
+list full) is dropped. Either loss is counted as `save_dropped_records`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ class SaveResult:
 @dataclass(eq=False)
 class _Write:
     key: ChunkKey
-    slot: int
+    slot: int | None  # None while deferred: the record is only in the cpu tier's LRU
     targets: list[RecordTier]
     stored: set[str]
     future: Future[frozenset[str]] = field(default_factory=pending_future)
@@ -58,6 +61,8 @@ class WriteBehind:
         memory = parts.memory
         self._max_held_slots = memory.num_slots // 2 if memory.retain else memory.num_slots
         self._lock = threading.Lock()
+        self._deferred: deque[_Write] = deque()
+        self._max_deferred = memory.num_slots if memory.retain else 0
         self._queue: asyncio.Queue[_Write] = asyncio.Queue()
         self.all_tiers = frozenset(([memory.name] if memory.retain else []) + [t.name for t in parts.lower])
 
@@ -75,12 +80,17 @@ class WriteBehind:
         release its own reference on the slot at once."""
         if not targets:
             return resolved(frozenset(stored))
-        nbytes = key.num_blocks * self._parts.codec.spec.block_bytes
-        if not self._reserve(nbytes):
-            self._parts.counters.add(save_dropped_records=1)
-            return resolved(frozenset(stored))
-        self._parts.memory.hold(slot)
-        write = _Write(key, slot, list(targets), set(stored))
+        write = _Write(key, None, list(targets), set(stored))
+        with self._lock:
+            if self._reserve_locked(write):
+                self._parts.memory.hold(slot)
+                write.slot = slot
+            elif self._held_slots and len(self._deferred) < self._max_deferred:
+                self._deferred.append(write)
+                return write.future
+            else:
+                self._parts.counters.add(save_dropped_records=1)
+                return resolved(frozenset(stored))
         self._parts.runtime.loop.call_soon_threadsafe(self._queue.put_nowait, write)
         return write.future
 
@@ -89,6 +99,10 @@ class WriteBehind:
 
     def abandon_queued(self) -> None:
         """Resolve writes that no worker will take (at shutdown, on the loop thread)."""
+        with self._lock:
+            deferred, self._deferred = list(self._deferred), deque()
+        for write in deferred:
+            write.future.set_result(frozenset(write.stored))
         while not self._queue.empty():
             self._finish([self._queue.get_nowait()], release=True)
             self._queue.task_done()
@@ -149,15 +163,41 @@ class WriteBehind:
             write.record = None
             with self._lock:
                 self._held_slots -= 1
-                self._pending -= write.key.num_blocks * self._parts.codec.spec.block_bytes
+                self._pending -= self._nbytes(write)
             failed += not self.all_tiers <= write.stored
             write.future.set_result(frozenset(write.stored))
         self._parts.counters.add(save_failed_records=failed)
+        self._admit_deferred()
 
-    def _reserve(self, nbytes: int) -> bool:
+    def _admit_deferred(self) -> None:
+        """Queue deferred records while the bounds allow, oldest first (the next the cpu
+        tier would evict); one the tier no longer holds is dropped."""
+        admitted, dropped = [], []
         with self._lock:
-            if self._pending + nbytes > self._max_pending or self._held_slots >= self._max_held_slots:
-                return False
-            self._pending += nbytes
-            self._held_slots += 1
-            return True
+            while self._deferred and self._reserve_locked(self._deferred[0]):
+                write = self._deferred.popleft()
+                write.slot = self._parts.memory.acquire(write.key.name)
+                if write.slot is None:
+                    self._held_slots -= 1
+                    self._pending -= self._nbytes(write)
+                    dropped.append(write)
+                else:
+                    admitted.append(write)
+        for write in admitted:
+            self._queue.put_nowait(write)
+        for write in dropped:
+            write.stored.discard(self._parts.memory.name)
+            write.future.set_result(frozenset(write.stored))
+        if dropped:
+            self._parts.counters.add(save_dropped_records=len(dropped))
+
+    def _nbytes(self, write: _Write) -> int:
+        return write.key.num_blocks * self._parts.codec.spec.block_bytes
+
+    def _reserve_locked(self, write: _Write) -> bool:
+        nbytes = self._nbytes(write)
+        if self._pending + nbytes > self._max_pending or self._held_slots >= self._max_held_slots:
+            return False
+        self._pending += nbytes
+        self._held_slots += 1
+        return True

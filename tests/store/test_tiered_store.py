@@ -4,7 +4,9 @@ copy, prefetch, pins, supervision, shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 import time
 
 import pytest
@@ -315,6 +317,44 @@ def test_pending_write_budget_drops_instead_of_blocking(open_store):
     result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),)
     assert store.stats().counters["save_dropped_records"] == 1
+
+
+def gated_disk_store(open_store, slots: int):
+    """A cpu,disk store whose cpu tier has `slots` slots and whose disk writes wait for
+    the returned event."""
+    probe = open_store("cpu")
+    store = open_store("cpu,disk", cpu_size=slots * probe.memory.slot_bytes)
+    disk, gate = store.lower[0], threading.Event()
+    real_put = disk.put
+
+    async def gated_put(items, blocks=None):
+        await asyncio.to_thread(gate.wait, 10)
+        return await real_put(items, blocks)
+
+    disk.put = gated_put
+    return store, gate
+
+
+def test_saves_beyond_the_held_slot_bound_are_deferred_then_written(open_store):
+    store, gate = gated_disk_store(open_store, slots=8)  # at most 4 held by writes
+    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(7)]
+    gate.set()
+    assert all(f.result(10).complete for f in futures)
+    assert store.stats().counters["save_dropped_records"] == 0
+    assert store.lookup([record_key(store, i) for i in range(7)]).num_chunks == 7
+
+
+def test_a_deferred_record_evicted_before_its_turn_is_dropped_and_counted(open_store):
+    store, gate = gated_disk_store(open_store, slots=8)
+    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(10)]
+    # 0-3 are held by writes; 4-9 wait, unheld: saving 8 and 9 evicted 4 and 5
+    gate.set()
+    results = [f.result(10) for f in futures]
+    assert [r.complete for r in results] == [True] * 4 + [False] * 2 + [True] * 4
+    assert results[4].stored == (frozenset(),)
+    assert store.stats().counters["save_dropped_records"] == 2
+    disk = store.lower[0]
+    assert [disk.path(record_key(store, i).name).exists() for i in range(10)] == [True] * 4 + [False] * 2 + [True] * 4
 
 
 def test_close_finishes_pending_writes(open_store):
