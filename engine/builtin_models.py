@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
+from engine.cache_home import kvtier_cache_dir
 from engine.models.args import ModelLoadError
 from engine.models.gguf import GGUFCheckpoint, is_gguf, load_gguf_tokenizer
 
@@ -71,8 +72,7 @@ class BuiltinModel:
 
 
 def model_cache_dir() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "kvtier", "models")
+    return kvtier_cache_dir("models")
 
 
 def _make_random(preset: str) -> Callable[[str, str | None], None]:

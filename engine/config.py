@@ -15,7 +15,6 @@ Every failure is a `ConfigError` naming the option.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -31,6 +30,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from engine.cache_home import kvtier_cache_dir
 from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
 from kvstore.errors import StoreConfigError
 from tiers.disk import FSYNC_POLICIES
@@ -483,5 +483,4 @@ def redact_url(url: str) -> str:
 
 
 def default_disk_path() -> str:
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache_home, "kvtier", "kv")
+    return kvtier_cache_dir("kv")
