@@ -13,6 +13,7 @@ reply) raise and the connection is dropped.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import threading
@@ -65,10 +66,16 @@ class BulkReader:
             connection.close()
 
     def _take(self) -> _Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _Connection.open(self.target, self.timeout_s, self.connect_timeout_s)
+        """An idle connection that is still open, else a new one. An idle connection that
+        has something to read was closed by Redis (a restart drops every connection)."""
+        while True:
+            with self._lock:
+                connection = self._idle.pop() if self._idle else None
+            if connection is None:
+                return _Connection.open(self.target, self.timeout_s, self.connect_timeout_s)
+            if not connection.closed_by_peer():
+                return connection
+            connection.close()
 
     def _give(self, connection: _Connection) -> None:
         with self._lock:
@@ -130,6 +137,17 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def closed_by_peer(self) -> bool:
+        """Between replies a connection has nothing to read; if it has, Redis closed it
+        (end of file) or sent what no request asked for: either way it is unusable."""
+        if self._pending:
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def _line(self) -> bytes:
         while b"\r\n" not in self._pending:
