@@ -653,9 +653,9 @@ def _where_time_goes(result: dict) -> str:
     if disk:
         text += (
             "The disk tier writes one record file per chunk (a temp file, then a rename) where "
-            "the reference appends to one file, and reads each record into a pooled buffer, "
-            "checks its xxh3 and copies it into the caller's tensor where the reference reads "
-            "into place"
+            "the reference appends to one file, and reads each record with readinto straight "
+            "into a host slot, checks its xxh3 there and copies the payload out to the caller's "
+            "tensor (as the engine copies it to the device), where the reference only reads"
         )
         if "get_warm_ratio" in disk:
             text += (
@@ -667,9 +667,10 @@ def _where_time_goes(result: dict) -> str:
     if redis:
         text += (
             f"On redis, gets reach {redis['get_ratio']:.0%} of the raw socket and puts "
-            f"{redis['put_ratio']:.0%}: each reply arrives as a new bytes object that the store "
-            "checks (xxh3) and copies into the caller's tensor, where the reference receives "
-            "into place"
+            f"{redis['put_ratio']:.0%}: a get is one pipeline of GETRANGEs whose replies are "
+            "received with recv_into straight into host slots, checked there (xxh3) and copied "
+            "out to the caller's tensor, where the reference only receives; puts go through "
+            "redis-py's pipeline"
         )
         if result.get("redis_parser") == "python":
             text += (
