@@ -157,15 +157,17 @@ def causal_attention(
     qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     kg = k.to(q.dtype)[:, None].expand(kv_heads, group, ctx_len, head_dim)
     vg = v.to(q.dtype)[:, None].expand(kv_heads, group, ctx_len, head_dim)
+    out_heads = out.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # qg's layout
     if q.device.type == "cpu":
         res, lse = _flash(qg, kg[:, :, past:], vg[:, :, past:], True, scale)
         if past:
             res_past, lse_past = _flash(qg, kg[:, :, :past], vg[:, :, :past], False, scale)
-            res = _merge(res, lse, res_past, lse_past)
+            _merge_into(out_heads, res, lse, res_past, lse_past)
+            return
     else:
         allowed = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril_(past)
         res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale)
-    out.view(q_len, kv_heads, group, head_dim).copy_(res.permute(2, 0, 1, 3))
+    out_heads.copy_(res)
 
 
 def _flash(
@@ -177,15 +179,14 @@ def _flash(
     )
 
 
-def _merge(
-    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Attention over the union of two key sets from the attention over each and their
-    log-sum-exps: each part weighted by its share of the softmax mass, in fp32."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = (lse_a - lse).exp_().unsqueeze(-1)
-    weight_b = (lse_b - lse).exp_().unsqueeze(-1)
-    return (a.float() * weight_a).add_(b.float() * weight_b).to(a.dtype)
+def _merge_into(
+    out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """Attention over the union of two key sets, from the attention over each and their
+    log-sum-exps, written into `out`: each part weighted by its share of the softmax mass,
+    `b + (a - b) * share_a` in one pass (lerp computes in fp32 for bf16 inputs)."""
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1).to(a.dtype)
+    torch.lerp(b, a, share_a, out=out)
 
 
 def _decode_batch(
