@@ -233,6 +233,9 @@ class SchedulerOptions(Options):
     preemption_mode: Literal["offload", "recompute"] | None = option(
         None, "What happens to a preempted request's KV: offload (to the cpu tier; the default "
         "when it exists) or recompute.")
+    fuse_elementwise: bool = option(
+        True, "On CPU, run the RMSNorm, rotary and SiLU-and-mul of steps of 256 or more tokens "
+        "as one fused pass each (torch.compile; a few seconds at start); false: eager ops only.")
     attention_backend: Literal["auto", "torch", "triton"] = option(
         "auto", "auto (Triton on CUDA, torch elsewhere), torch or triton.")
     kv_blend_recompute_ratio: Annotated[float, Field(ge=0, le=1)] = option(

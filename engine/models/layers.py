@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import fused as fused_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back before the weight, exactly like transformers."""
@@ -17,7 +19,9 @@ class RMSNorm(nn.Module):
             torch.ones(size, dtype=dtype, device=device), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         # F.rms_norm in fp32 is bit-identical to transformers' pow/mean/rsqrt, in one call.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return normed.to(x.dtype).mul_(self.weight)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.models import fused as fused_ops
 from engine.models.args import ModelArgs
 from engine.models.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from engine.models.rope import RotaryEmbedding, apply_rotary
@@ -23,11 +24,13 @@ from kernels.metadata import AttentionMetadata
 @dataclass(frozen=True)
 class StepInputs:
     """What every layer of one forward pass shares: the rotary cos/sin of the tokens'
-    positions and the attention metadata of the batch."""
+    positions, the attention metadata of the batch, and whether its elementwise chains
+    run fused (engine/models/fused.py)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     meta: AttentionMetadata
+    fused: bool = False
 
 
 class Attention(nn.Module):
@@ -52,8 +55,8 @@ class Attention(nn.Module):
         qk = qkv[:, : self.qk_size].view(num_tokens, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = apply_rotary(qk, step.cos, step.sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads], step.fused), self.k_norm(qk[:, heads:], step.fused)), dim=1)
+        qk = (fused_ops.rotary if step.fused else apply_rotary)(qk, step.cos, step.sin)
         q, k = qk[:, :heads], qk[:, heads:]
         kernels.write_kv(kv_layer, k, v, step.meta.slot_mapping)
         out = kernels.paged_attention(q, kv_layer, step.meta, self.scale)
@@ -68,8 +71,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(args.hidden_size, gate_up, args.mlp_bias, dtype, device)
         self.down_proj = Linear(size, {"down_proj": args.hidden_size}, args.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(fused_ops.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -82,8 +86,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, step: StepInputs) -> torch.Tensor:
         # In place: the residual stream is this forward's own tensor (the embedding output).
-        x = x.add_(self.self_attn(self.input_layernorm(x), kv_layer, step))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        x = x.add_(self.self_attn(self.input_layernorm(x, step.fused), kv_layer, step))
+        return x.add_(self.mlp(self.post_attention_layernorm(x, step.fused), step.fused))
 
 
 class DecoderModel(nn.Module):
@@ -97,6 +101,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             args.rope_parameters, args.head_dim, args.max_position_embeddings, dtype, device
         )
+        self.fuse_large_steps = False  # set by CausalLM.fuse_large_steps
 
     def forward(
         self,
@@ -106,10 +111,11 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        step = StepInputs(*self.rotary.cos_sin(positions), meta)
+        fused = self.fuse_large_steps and x.shape[0] >= fused_ops.MIN_FUSED_TOKENS
+        step = StepInputs(*self.rotary.cos_sin(positions), meta, fused)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_cache[:, i], step)
-        return self.norm(x)
+        return self.norm(x, fused)
 
 
 class CausalLM(nn.Module):
@@ -133,6 +139,15 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_cache, meta)
+
+    def fuse_large_steps(self) -> None:
+        """Run the elementwise chains of steps of MIN_FUSED_TOKENS or more fused (CPU only:
+        on CUDA the compiled kernels would be Triton ones, not tested here); compiles them
+        now."""
+        if next(self.parameters()).device.type != "cpu":
+            return
+        fused_ops.warm_up(self)
+        self.model.fuse_large_steps = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[n, vocab]` of the rows of `hidden` that are sampled."""

@@ -284,6 +284,9 @@ class PoisonedModel(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.compute_logits(hidden)
 
+    def fuse_large_steps(self) -> None:
+        self.inner.fuse_large_steps()
+
     @staticmethod
     def _rows_of(row: int, meta: Any) -> slice:
         """The rows of the step's flattened batch that belong to `row`'s sequence."""
