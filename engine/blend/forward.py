@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.models import fused as fused_ops
 from engine.models.rope import apply_rotary, inverse_frequencies
 
 # The layer whose KV deviation picks the tokens to recompute (see the module docstring).
@@ -112,7 +113,8 @@ def blend_prefill(
     for index, layer in enumerate(core.layers):
         kv_layer = kv_cache[:, index]
         attn = layer.self_attn
-        q, k, v = _project(attn, layer.input_layernorm(x), cos[rows], sin[rows])
+        fused = _fused(core, x)
+        q, k, v = _project(attn, layer.input_layernorm(x, fused), cos[rows], sin[rows], fused)
         if index <= check_layer:  # every row is computed: fresh KV for the whole region
             k_region, v_region = k, v
             if index == check_layer:
@@ -130,8 +132,9 @@ def blend_prefill(
         values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), v_region])
         out = _masked_attention(q, keys, values, plan.positions_cpu[rows_cpu], key_positions, attn.scale)
         x = x + attn.o_proj(out.flatten(1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return BlendResult(core.norm(x), rows, num_reused=n - len(rows), num_recomputed=len(rows))
+        fused = _fused(core, x)
+        x = x + layer.mlp(layer.post_attention_layernorm(x, fused), fused)
+    return BlendResult(core.norm(x, _fused(core, x)), rows, num_reused=n - len(rows), num_recomputed=len(rows))
 
 
 def _select(
@@ -175,10 +178,16 @@ def _gather(kv_layer: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], kv
     return kv_layer[blocks, kv, offsets]
 
 
+def _fused(core: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether the elementwise chains over `x`'s rows run fused, as in the model's forward."""
+    return core.fuse_large_steps and x.shape[0] >= fused_ops.MIN_FUSED_TOKENS
+
+
 def _project(
-    attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K, V of `h` through the layer's own projections, norms and rotary."""
+    """Q, K, V of `h` through the layer's own projections, norms and rotary (their fused
+    forms when `fused`, as in the model's forward)."""
     num_tokens, head_dim = h.shape[0], attn.head_dim
     q_size, kv_size = attn.num_heads * head_dim, attn.num_kv_heads * head_dim
     q, k, v = attn.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
@@ -186,8 +195,9 @@ def _project(
     k = k.reshape(num_tokens, attn.num_kv_heads, head_dim)
     v = v.reshape(num_tokens, attn.num_kv_heads, head_dim)
     if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        q, k = attn.q_norm(q, fused), attn.k_norm(k, fused)
+    rotate = fused_ops.rotary if fused else apply_rotary
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 def _masked_attention(
