@@ -30,9 +30,14 @@ from kvstore.index import BlockIndex
 from kvstore.parts import StoreParts
 from kvstore.record import RecordHeader
 from kvstore.runtime import pending_future
-from tiers.base import Buffer, RecordTier
+from tiers.base import Buffer, RecordTier, split_evenly
 
 log = logging.getLogger(__name__)
+
+# A batch is read from a tier in this many concurrent parts (fewer for fewer records): the
+# records of a part are verified in their slots (xxh3) while the others are still in
+# flight, and Redis reads them over as many connections.
+READ_PARTS = 8
 
 
 class ReadState(enum.Enum):
@@ -95,17 +100,13 @@ class Loader:
             ask = [r for r in pending if r.candidates is None or tier.name in r.candidates or tier.remote]
             if not ask:
                 continue
-            memory, codec = self._parts.memory, self._parts.codec
-            regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
             asking.append(tier)
             try:
-                records = await tier.get([r.name for r in ask], regions)
+                parts = split_evenly(ask, READ_PARTS)
+                bad_parts = await asyncio.gather(*(self._read_part(tier, list(part)) for part in parts))
             finally:
                 asking.remove(tier)
-            bad: list[str] = []
-            for read, record in zip(ask, records, strict=True):
-                if self._settle(tier, read, record, bad):
-                    read.tier = tier.name
+            bad = [name for part in bad_parts for name in part]
             if bad:
                 await tier.delete(bad)
             pending = [r for r in pending if r.tier is None]
@@ -116,6 +117,18 @@ class Loader:
                 self._parts.memory.abort(read.slot)
             else:
                 read.state = ReadState.OK if read.tier is not None else ReadState.FAILED
+
+    async def _read_part(self, tier: RecordTier, ask: list[RecordRead]) -> list[str]:
+        """Read one part of a batch from `tier` and verify its records as soon as they
+        are in, while the other parts are still being read; the names of bad records."""
+        memory, codec = self._parts.memory, self._parts.codec
+        regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
+        records = await tier.get([r.name for r in ask], regions)
+        bad: list[str] = []
+        for read, record in zip(ask, records, strict=True):
+            if self._settle(tier, read, record, bad):
+                read.tier = tier.name
+        return bad
 
     def _settle(self, tier: RecordTier, read: RecordRead, record: Buffer | None, bad: list[str]) -> bool:
         """Verify `record` in `read`'s slot; a miss or a bad record is counted, and the
@@ -162,3 +175,4 @@ def _check_against_index(header: RecordHeader, read: RecordRead) -> None:
             f"record {read.name} holds blocks {header.first_block}+{header.num_blocks}, "
             f"the index expected {read.first_block}+{read.num_blocks} with other hashes"
         )
+

@@ -22,17 +22,26 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tiers.errors import TierConfigError
 from tiers.health import HealthMonitor
 from tiers.pins import PinTable
 from tiers.stats import TierCounters, TierSnapshot
 
+T = TypeVar("T")
+
 Buffer = bytes | bytearray | memoryview
 Worker = tuple[str, Callable[[], Awaitable[None]]]
 IndexEntry = tuple[str, bytes]  # (block name, what the tier keeps for it)
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z._-]{1,200}$")
+
+
+def split_evenly(items: Sequence[T], parts: int) -> list[Sequence[T]]:
+    """`items` in at most `parts` contiguous groups of near-equal size (none if empty)."""
+    size = -(-len(items) // max(1, parts)) or 1
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def check_key(key: str) -> str:

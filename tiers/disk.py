@@ -44,7 +44,7 @@ from pathlib import Path
 
 import aiofiles.os
 
-from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key
+from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key, split_evenly
 from tiers.errors import TierConfigError
 from tiers.lru import LruIndex
 from tiers.pins import PinTable
@@ -169,7 +169,7 @@ class DiskTier(RecordTier):
         start = time.perf_counter()
         jobs = [(self.path(key), into[i] if into else None) for i, key in enumerate(keys)]
         outcomes = await asyncio.gather(
-            *(self._read_group(group) for group in _split(jobs, self._jobs))
+            *(self._read_group(group) for group in split_evenly(jobs, self._jobs))
         )
         records = [
             self._account_read(key, outcome)
@@ -223,7 +223,7 @@ class DiskTier(RecordTier):
             return []
         try:
             outcomes = await asyncio.gather(
-                *(self._write_group(group) for group in _split(todo, self._jobs))
+                *(self._write_group(group) for group in split_evenly(todo, self._jobs))
             )
         except BaseException:
             for *_, size in todo:
@@ -453,12 +453,6 @@ def _mtime(entry: os.DirEntry[str]) -> int:
 def _unlink_quietly(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-
-
-def _split(items: list, parts: int) -> list[list]:
-    """`items` in at most `parts` contiguous groups of near-equal size."""
-    size = -(-len(items) // max(1, parts)) or 1
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _read_files_sync(jobs: list[tuple[Path, memoryview | None]]) -> list[Buffer | OSError]:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvstore import ChunkSpecError, StoreClosedError, StoreConfigError, TieredStore
+from kvstore import ChunkSpecError, StoreClosedError, StoreConfigError, TieredStore, loading
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
@@ -185,6 +185,44 @@ def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert store.lookup(keys[:1]).num_chunks == 0
+
+
+@pytest.mark.parametrize("tiers", ["disk", "redis"])
+def test_a_batch_is_read_in_concurrent_parts_and_every_bad_record_is_removed(open_store, tiers):
+    store = open_store(tiers)
+    keys = save_chunks(store, range(12))
+    tier = store.lower[0]
+    if tiers == "disk":  # a bad record in the first part and one in the last
+        for key in (keys[0], keys[11]):
+            flipped = bytearray(tier.path(key.name).read_bytes())
+            flipped[-100] ^= 0xFF
+            tier.path(key.name).write_bytes(bytes(flipped))
+    in_flight = most = 0
+    read = tier.get
+
+    async def counted_get(names, into=None):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await read(names, into)
+        finally:
+            in_flight -= 1
+
+    tier.get = counted_get
+    tensors = outputs(store.spec, 12)
+    result = store.load(keys, tensors).result(10)
+    per_part = -(-12 // loading.READ_PARTS)
+    assert most == -(-12 // per_part) > 1  # every part in flight at once
+    bad = {0, 11} if tiers == "disk" else set()
+    assert result.ok == tuple(i not in bad for i in range(12))
+    assert all(bits_equal(tensors[i], chunk_payload(store.spec, i)) for i in range(12) if i not in bad)
+    counters = store.stats().tiers[tiers].counters
+    assert counters["checksum_failures"] == len(bad) and counters["hits"] == 12 - len(bad)
+    deadline = time.monotonic() + 5
+    while any(tier.holds(keys[i].name) for i in bad):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_record_of_another_model_under_our_key_is_rejected(open_store):
