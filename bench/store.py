@@ -655,7 +655,9 @@ def _where_time_goes(result: dict) -> str:
             "The disk tier writes one record file per chunk (a temp file, then a rename) where "
             "the reference appends to one file, and reads each record with readinto straight "
             "into a host slot, checks its xxh3 there and copies the payload out to the caller's "
-            "tensor (as the engine copies it to the device), where the reference only reads"
+            "tensor (as the engine copies it to the device), where the reference only reads; "
+            "a batch is read in up to 8 concurrent parts, each part checked while the others "
+            "are still being read"
         )
         if "get_warm_ratio" in disk:
             text += (
@@ -667,10 +669,11 @@ def _where_time_goes(result: dict) -> str:
     if redis:
         text += (
             f"On redis, gets reach {redis['get_ratio']:.0%} of the raw socket and puts "
-            f"{redis['put_ratio']:.0%}: a get is one pipeline of GETRANGEs whose replies are "
-            "received with recv_into straight into host slots, checked there (xxh3) and copied "
-            "out to the caller's tensor, where the reference only receives; puts go through "
-            "redis-py's pipeline"
+            f"{redis['put_ratio']:.0%}: a get is a pipeline of GETRANGEs per part of the batch "
+            "(up to 8, each over its own connection, where the reference uses one), whose "
+            "replies are received with recv_into straight into host slots, checked there (xxh3) "
+            "and copied out to the caller's tensor, where the reference only receives; puts go "
+            "through redis-py's pipeline"
         )
         if result.get("redis_parser") == "python":
             text += (
