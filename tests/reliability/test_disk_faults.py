@@ -228,6 +228,7 @@ def test_disk_budget_smaller_than_the_working_set(
         assert store_of(llm.engine).drain(30)
         sample(0)
         disk = tier(llm.engine, "disk")
+        store_counters = store_of(llm.engine).stats().counters
     want = cold(model_path, prompts, MAX_TOKENS)
     wrong = sum(wrong_outputs(r.outputs, want) for r in runs)
     scorecard.add(
@@ -237,7 +238,7 @@ def test_disk_budget_smaller_than_the_working_set(
     )
     assert wrong == 0
     assert peak["usage"] <= budget and peak["files"] <= budget
-    assert disk["evictions"] > 0 and disk["errors"] == 0
+    assert disk["evictions"] > 0 and disk["errors"] == 0, (disk, store_counters)
 
 
 def test_sigkill_during_writes_then_restart(model_path: str, cold: ColdOracle, tmp_path: Path, scorecard: Scorecard):
