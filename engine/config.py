@@ -236,7 +236,7 @@ class SchedulerOptions(Options):
     fuse_elementwise: bool = option(
         True, "On CPU, run the RMSNorm, rotary and SiLU-and-mul of steps of 256 or more tokens "
         "as one fused pass each (compiled by torch.compile at start: about 20 s the first time on "
-        "a 2-core machine, seconds once inductor's cache holds them); false: eager ops only.")
+        "a 2-core machine, seconds once inductor's cache holds them); --no-fuse-elementwise: eager ops only.")
     attention_backend: Literal["auto", "torch", "triton"] = option(
         "auto", "auto (Triton on CUDA, torch elsewhere), torch or triton.")
     kv_blend_recompute_ratio: Annotated[float, Field(ge=0, le=1)] = option(
