@@ -1,4 +1,5 @@
-"""The elementwise chains of large steps, fused into one pass each by torch.compile (CPU).
+"""The decoder's elementwise chains: their eager forms, and each fused into one pass by
+torch.compile for large CPU steps.
 
 RMSNorm (cast to fp32, square, mean, rsqrt, scale, cast back, weight), rotary (four
 products and two sums over the halves of each head) and SiLU-and-mul are memory-bound
@@ -7,9 +8,13 @@ activations do not stay in cache between them. Inductor turns each chain into on
 Small steps (decode) keep the eager ops, where a compiled call's guard checks cost more
 than the passes they would save.
 
+RMSNorm and SiLU-and-mul are compiled from their eager forms here, which the unfused
+path runs. Rotary has a form of its own: the eager `rope.apply_rotary` writes into the
+halves of its result with `out=`, which Dynamo cannot trace.
+
 A function that fails to compile (no C++ compiler, say) falls back to its eager form for
 the rest of the process, with one warning; the results are the same either way up to
-fp32 rounding order.
+rounding order.
 """
 
 from __future__ import annotations
@@ -47,23 +52,27 @@ class _Fused:
             return self.eager(*args)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, exactly like transformers
+    (F.rms_norm in fp32 is bit-identical to its pow/mean/rsqrt, in one call)."""
+    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype).mul_(weight)
+
+
+def eager_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for the fused `[..., 2 * intermediate]` gate/up projection output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope.apply_rotary`'s products and sums, without `out=`."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-rms_norm = _Fused(_rms_norm)
+rms_norm = _Fused(eager_rms_norm)
 rotary = _Fused(_rotary)
-silu_and_mul = _Fused(_silu_and_mul)
+silu_and_mul = _Fused(eager_silu_and_mul)
 
 
 def warm_up(model: torch.nn.Module) -> None:

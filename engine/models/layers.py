@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, (fused) linear projections, SiLU-and-mul."""
+"""Building blocks of the decoder: RMSNorm, (fused) linear projections, the embedding."""
 
 from __future__ import annotations
 
@@ -20,11 +20,8 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
-            return fused_ops.rms_norm(x, self.weight, self.eps)
-        # F.rms_norm in fp32 is bit-identical to transformers' pow/mean/rsqrt, in one call.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return normed.to(x.dtype).mul_(self.weight)
+        norm = fused_ops.rms_norm if fused else fused_ops.eager_rms_norm
+        return norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -66,12 +63,6 @@ class Linear(nn.Module):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{shard}.{param}: shape {tuple(tensor.shape)}, expected {expected}")
         target.narrow(0, offset, size).copy_(tensor)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for the fused `[..., 2 * intermediate]` gate/up projection output."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 class Embedding(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 import kernels
 from engine.models import fused as fused_ops
 from engine.models.args import ModelArgs
-from engine.models.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from engine.models.layers import Embedding, Linear, RMSNorm
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from kernels.metadata import AttentionMetadata
 
@@ -73,7 +73,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(fused_ops.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up))
+        silu_and_mul = fused_ops.silu_and_mul if fused else fused_ops.eager_silu_and_mul
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
