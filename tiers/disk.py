@@ -183,19 +183,32 @@ class DiskTier(RecordTier):
     ) -> list[bool]:
         stored = [False] * len(items)
         todo: list[tuple[int, str, Buffer, int]] = []
+        full: list[tuple[int, str, Buffer, int]] = []
+        start, admitted = time.perf_counter(), False
         for index, (key, data) in enumerate(items):
             check_key(key)
+            size = memoryview(data).nbytes
             if self.holds(key):
                 stored[index] = True
-            elif self._admit(memoryview(data).nbytes):
-                todo.append((index, key, data, memoryview(data).nbytes))
-        start = time.perf_counter()
-        full = await self._write(todo, stored)
+                continue
+            room = self._make_room(size)
+            if not room and todo:
+                # The budget is held by this batch's own writes in flight, which cannot be
+                # evicted yet: finish them, so that the newer records evict them (LRU).
+                full += await self._write(todo, stored)
+                todo = []
+                room = self._make_room(size)
+            if room:
+                todo.append((index, key, data, size))
+                admitted = True
+            else:
+                self.counters.add(put_rejected=1)
+        full += await self._write(todo, stored)
         if full:  # ENOSPC: measure the free space again, make room by evicting, retry once
             self._space_at = -float("inf")
             retry = [item for item in full if self._admit(item[3])]
             self.counters.add(put_rejected=len(await self._write(retry, stored)))
-        if todo:
+        if admitted:
             self.counters.observe_put(time.perf_counter() - start)
         return stored
 
@@ -240,11 +253,17 @@ class DiskTier(RecordTier):
         return full
 
     def _admit(self, size: int) -> bool:
+        """`_make_room`, counting a record that cannot go in as rejected."""
+        if self._make_room(size):
+            return True
+        self.counters.add(put_rejected=1)
+        return False
+
+    def _make_room(self, size: int) -> bool:
         """Make room for a new record of `size` bytes (evicting LRU files); False if it
         cannot go in."""
         victims = self._claim_room(size) if self.health.available() else None
         if victims is None:
-            self.counters.add(put_rejected=1)
             return False
         for victim in victims:
             _unlink_quietly(self.path(victim))

@@ -90,6 +90,16 @@ def test_stale_temp_files_are_removed_at_start(tmp_path):
     assert tier.entries == 0
 
 
+def test_a_batch_larger_than_the_budget_keeps_its_newest_records(tmp_path):
+    tier = DiskTier(tmp_path, 3_500)
+    keys = [f"k-{i:02d}" for i in range(8)]
+    assert run(tier.put([(k, record(i)) for i, k in enumerate(keys)])) == [True] * 8
+    assert [tier.holds(k) for k in keys] == [False] * 5 + [True] * 3
+    assert tier.counters["evictions"] == 5 and tier.counters["put_rejected"] == 0
+    assert tier.usage_bytes == 3000
+    assert sorted(p.name for p in tmp_path.rglob("*.kvc")) == [f"{k}.kvc" for k in keys[5:]]
+
+
 def test_byte_budget_evicts_lru_and_spares_pins(tmp_path):
     pins = PinTable()
     tier = DiskTier(tmp_path, 3_500, pins)
