@@ -86,6 +86,10 @@ class BlockIndex:
             if not record.tiers:
                 self._forget(record)
 
+    def drop_tier(self, tier: str) -> None:
+        """Forget everything known about what `tier` holds."""
+        self.discard([r.name for r in self._records.values() if tier in r.tiers], tier)
+
     def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> list[BlockLocation]:
         """Where blocks `start, start + 1, ...` of a sequence are stored, up to `end` or the
         first block no record holds. Per block: the record that continues the previous

@@ -166,6 +166,7 @@ class TieredStore:
             raise StoreConfigError(f"host slots of {memory.slot_bytes} bytes cannot hold a record")
         memory.touch_pages(self.config.staging_size)
         self.index = BlockIndex(names, spec.blocks_per_chunk)
+        self._recoveries = {t.name: t.health.recoveries for t in self.lower if t.remote}
         self.counters = StoreCounters()
         self._closed = False
         self._prefetches: list[tuple[Future[None], list[RecordRead]]] = []
@@ -217,7 +218,15 @@ class TieredStore:
 
     def poll(self) -> None:
         """Apply what the I/O side reported (writes, reads, scans, probes), what the tiers
-        dropped, and finish the prefetches that are done."""
+        dropped, and finish the prefetches that are done. A remote tier that was
+        unreachable since the last poll may have lost anything meanwhile (a Redis restarted
+        empty, a failover): what the index knew of it is dropped, so that its records are
+        saved again (its put skips those it still holds) and probed for again."""
+        for tier in self.lower:
+            recoveries = self._recoveries.get(tier.name)
+            if recoveries is not None and tier.health.recoveries != recoveries:
+                self._recoveries[tier.name] = tier.health.recoveries
+                self.index.drop_tier(tier.name)
         while True:
             try:
                 event = self._parts.events.get_nowait()

@@ -6,6 +6,9 @@ HEALTHY again; another failure doubles the delay (up to a cap). A dead Redis the
 costs no network round trip on the hot path. Recovery does not wait for the backoff: a
 tier with a background probe (Redis) asks at a short period while unhealthy and records
 the success as soon as it gets an answer.
+
+`recoveries` counts the returns to HEALTHY, so that whoever keeps beliefs about the tier
+(the store's index of a remote tier) can tell that an outage happened in between.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class HealthMonitor:
         self._retry_at = 0.0
         self.state = Health.HEALTHY
         self.last_error: str | None = None
+        self.recoveries = 0
 
     @property
     def backoff_s(self) -> float:
@@ -50,6 +54,8 @@ class HealthMonitor:
 
     def record_success(self) -> None:
         with self._lock:
+            if self.state is Health.UNHEALTHY:
+                self.recoveries += 1
             self.state = Health.HEALTHY
             self._backoff = self._min
 

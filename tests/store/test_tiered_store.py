@@ -444,6 +444,35 @@ def test_redis_outage_is_misses_then_recovery(redis_factory):
         store.close()
 
 
+def wait_for_health(store: TieredStore, tier: str, state: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.stats().tiers[tier].health != state:
+        assert time.monotonic() < deadline, f"{tier} never became {state}"
+        time.sleep(0.02)
+
+
+def test_after_an_outage_records_the_index_knew_in_redis_are_saved_again(redis_factory):
+    """Redis came back empty: the index must not go on believing it holds the records
+    of before, or saving them again would skip Redis."""
+    server = redis_factory()
+    spec = make_spec()
+    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
+                                     redis_probe_interval_s=0.05)
+    try:
+        keys = save_chunks(store, range(3))
+        assert store.lookup(keys).num_chunks == 3
+        server.kill()
+        wait_for_health(store, "redis", "unhealthy")
+        server.start()  # empty
+        wait_for_health(store, "redis", "healthy")
+        assert store.lookup(keys).num_chunks == 0
+        save_chunks(store, range(3))
+        assert len(list(server.client().scan_iter("kvtier:*"))) == 3
+        assert store.load(keys, outputs(spec, 3)).result(5).ok == (True, True, True)
+    finally:
+        store.close()
+
+
 def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_factory):
     server = redis_factory()
     store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, lookup_timeout_s=0.2)
