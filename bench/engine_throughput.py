@@ -163,7 +163,7 @@ def decode_floor_bytes(llm: LLM, context: int) -> dict[str, int]:
     """What one batch-1 decode step reads at least: every weight once (the tied embedding
     is the output projection's) and the K and V of the whole context in every layer."""
     engine = llm.engine
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = engine.model.weight_bytes()
     kv = context * engine.block_bytes // engine.config.block_size
     return {"weights": weights, "kv": kv}
 

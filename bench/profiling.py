@@ -24,6 +24,7 @@ OTHER = "other torch ops"
 HOST = "host (Python: scheduler, batch building, sampling glue)"
 _EXACT = {
     "aten::mm": MATMUL, "aten::bmm": MATMUL, "aten::addmm": MATMUL, "aten::baddbmm": MATMUL,
+    "mkldnn::_linear_pointwise": MATMUL,
     "aten::_softmax": ATTENTION, "aten::masked_fill_": ATTENTION, "aten::triu_": ATTENTION,
     "aten::copy_": COPIES, "aten::index_select": COPIES, "aten::index_copy_": COPIES,
     "aten::index_put_": COPIES, "aten::_index_put_impl_": COPIES, "aten::cat": COPIES,

@@ -79,6 +79,7 @@ class LLMEngine:
         model_path = resolve_model(config.model)
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
+        self.model.pack_weights()
         if config.fuse_elementwise:
             self.model.fuse_large_steps()
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)

@@ -7,6 +7,7 @@ the checkpoint projections they hold (see `loader.checkpoint_targets`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,11 @@ from torch import nn
 import kernels
 from engine.models import fused as fused_ops
 from engine.models.args import ModelArgs
-from engine.models.layers import Embedding, Linear, RMSNorm
+from engine.models.layers import Embedding, Linear, RMSNorm, pack_weight, packed_linear
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(
                 args.hidden_size, {"lm_head": args.vocab_size}, False, dtype, device
             )
+        self.packed_logits_weight: torch.Tensor | None = None  # a tied head's, once packed
 
     def forward(
         self,
@@ -150,7 +154,28 @@ class CausalLM(nn.Module):
         fused_ops.warm_up(self)
         self.model.fuse_large_steps = True
 
+    def pack_weights(self) -> bool:
+        """Pack every projection's weight for CPU matmuls (layers.pack_weight) once the
+        checkpoint is loaded; a tied head gets a packed copy of the embedding, which the
+        embedding lookup still reads. Whether anything was packed."""
+        try:
+            packed = [m.pack() for m in self.modules() if isinstance(m, Linear)]
+            if self.lm_head is None:
+                self.packed_logits_weight = pack_weight(self.model.embed_tokens.weight)
+        except RuntimeError as exc:  # what is packed so far stays packed; the rest runs plain
+            log.warning("packing the weights for oneDNN failed (%s); plain matmuls for the rest", exc)
+            return False
+        return any(packed)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one forward reads, packed or not (a tied head once)."""
+        packed = [m.packed for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *packed])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[n, vocab]` of the rows of `hidden` that are sampled."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_logits_weight is not None:
+            return packed_linear(hidden, self.packed_logits_weight, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()

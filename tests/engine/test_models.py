@@ -17,6 +17,7 @@ from engine.models import (
     load_model,
     resolve_dtype,
 )
+from engine.models.layers import Linear
 from engine.random_model import make_model
 from kernels.metadata import AttentionMetadata
 
@@ -194,6 +195,41 @@ def test_bf16_forward_runs(checkpoint):
     with torch.inference_mode():
         (logits,) = run_step(model, kv, [prompt], [(0, 0, PROMPT_LEN, [4, 1, 0, 2, 3])])
     assert logits.shape == (PROMPT_LEN, spec.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("case", ["llama", "llama-tied", "qwen2"])
+@torch.inference_mode()
+def test_packed_bf16_weights_give_the_plain_logits(checkpoint, case):
+    """Packed weights (oneDNN's layout) compute what the plain ones do, up to bf16
+    rounding, with biases (qwen2) and a tied head; the plain weights are freed."""
+    path = checkpoint(case)
+    plain, spec = load_model(path, torch.bfloat16, "cpu")
+    packed, _ = load_model(path, torch.bfloat16, "cpu")
+    biases = [m.bias for model in (plain, packed) for m in model.modules() if isinstance(m, Linear) and m.bias is not None]
+    assert bool(biases) == (case == "qwen2")
+    for bias in biases:  # the checkpoint's are zeros
+        bias.copy_(torch.linspace(-1, 1, bias.numel()))
+    weight_bytes = plain.weight_bytes()
+    assert packed.pack_weights()
+    assert packed.weight_bytes() == weight_bytes
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight is None for m in linears)
+    prompt = prompts_for(spec.vocab_size)[0]
+    table = [4, 1, 0, 2, 3]
+    prefill_and_decode = [[(0, 0, PROMPT_LEN - 1, table)], [(0, PROMPT_LEN - 1, 1, table)]]
+    logits = {}
+    for name, model in (("plain", plain), ("packed", packed)):
+        kv = new_kv_cache(spec).to(torch.bfloat16)
+        logits[name] = [run_step(model, kv, [prompt], batch)[0] for batch in prefill_and_decode]
+    for got, want in zip(logits["packed"], logits["plain"], strict=True):
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_fp32_weights_stay_plain(checkpoint):
+    model, _ = load_model(checkpoint("llama"), torch.float32, "cpu")
+    assert not model.pack_weights()
+    assert all(m.packed is None and m.weight is not None for m in model.modules() if isinstance(m, Linear))
 
 
 def test_unsupported_architecture(checkpoint, tmp_path):
