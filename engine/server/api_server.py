@@ -130,12 +130,9 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     disable_created_metrics()
     sock = bind_socket(settings.host, settings.port)
-    from engine.llm_engine import LLMEngine  # heavy (torch, transformers): after flag checks
-
-    engine = LLMEngine(config)
     names = settings.served_model_name or default_model_names(config.model)
-    print(startup_summary(engine, settings, names, _url(settings.host, sock.getsockname()[1])), flush=True)
-    state = create_state(engine, settings, names)
+    state = create_state(config, settings, names)
+    print(startup_summary(state.engine.engine, settings, names, _url(settings.host, sock.getsockname()[1])), flush=True)
     server = uvicorn.Server(uvicorn.Config(
         build_app(state), log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_timeout,

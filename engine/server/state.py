@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncEngine
 from engine.builtin_models import DEFAULT_MODEL
-from engine.config import ServerConfig
+from engine.config import EngineConfig, ServerConfig
 from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import PromptTokenizer
@@ -62,17 +62,21 @@ def default_model_names(model_flag: str | None) -> tuple[str, ...]:
 
 
 def create_state(
-    engine: LLMEngine, settings: ServerConfig, model_names: tuple[str, ...]
+    config: EngineConfig, settings: ServerConfig, model_names: tuple[str, ...]
 ) -> ServerState:
-    """Hand `engine` to its engine thread and gather what the routes need. The caller
-    must not touch `engine` afterwards."""
-    metrics = ServerMetrics(model_names[0], engine.config.kv_offload)
+    """Build the engine of `config` on its engine thread (see AsyncEngine: every torch op
+    of the server runs there) and gather what the routes need."""
+    from engine.llm_engine import LLMEngine  # heavy (torch, transformers)
+
+    metrics = ServerMetrics(model_names[0], config.kv_offload)
+    async_engine = AsyncEngine(
+        lambda: LLMEngine(config), max_pending_requests=settings.queue_size(config.max_num_seqs),
+        observer=metrics.requests,
+    )
+    engine: LLMEngine = async_engine.engine
     # The server's own tokenizer (prompts, logprob tokens): the engine's belongs to the
     # engine thread.
     tokenizer = copy.deepcopy(engine.tokenizer)
-    async_engine = AsyncEngine(
-        engine, max_pending_requests=settings.queue_size(engine.config.max_num_seqs), observer=metrics.requests
-    )
     metrics.watch(lambda: async_engine.stats)
     return ServerState(
         engine=async_engine,

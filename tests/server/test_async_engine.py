@@ -343,3 +343,33 @@ def test_engine_crash_fails_waiting_requests_and_later_ones():
             await ae.call(lambda e: None)
 
     run(scenario, engine)
+
+
+def test_an_engine_built_by_a_function_is_built_on_the_engine_thread():
+    """Building runs on the thread that steps afterwards (every torch op of a server on one
+    thread), and the constructor returns the built engine."""
+    built_on: list[int] = []
+
+    def build() -> ScriptedEngine:
+        built_on.append(threading.get_ident())
+        return ScriptedEngine()
+
+    async def scenario():
+        ae = AsyncEngine(build)
+        try:
+            outputs = await _collect(ae, "r", 3)
+            return ae.engine, outputs
+        finally:
+            await ae.shutdown(graceful=False)
+
+    engine, outputs = asyncio.run(scenario())
+    assert len(outputs) == 3 and outputs[-1].finished
+    assert engine.threads == set(built_on) and built_on[0] != threading.get_ident()
+
+
+def test_an_engine_that_fails_to_build_raises_from_the_constructor():
+    def build() -> ScriptedEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
