@@ -13,9 +13,10 @@ engine's default options and torch's default threads.
 3. Batched decode: --batch-decode sequences of --batch-context tokens, tokens/s of both.
 4. Mixed batch: --num-prompts prompts of random length and output length; continuous
    batching vs transformers generate in static batches of --hf-batch-size.
-5. Stream gap: a server on this engine streams a completion while a text prompt of
-   --big-prompt-bytes (under the 8 MiB body limit) is posted; the stream's longest gap
-   between tokens while that request is in flight, against its median gap.
+5. Stream gap: a `kvtier serve` process of the model (this process is its client) streams
+   a completion while a text prompt of --big-prompt-bytes (under the 8 MiB body limit) is
+   posted; the stream's longest gap between tokens while that request is in flight,
+   against its median gap.
 """
 
 from __future__ import annotations
@@ -25,17 +26,16 @@ import http.client
 import itertools
 import json
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
-import uvicorn
 
 from bench import hf_baselines, plots
 from bench.common import markdown_table, median, parse_with_smoke
 from bench.profiling import profile_call, profile_note, profile_tables
+from bench.server_process import ServerProcess
 from bench.summary import publish, run_stamp, workload_parser
 from bench.text_corpus import MODULES, CorpusTokens, module_text
 from engine import LLM, SamplingParams
@@ -200,27 +200,16 @@ def mixed_batch(parts: Parts, args: argparse.Namespace) -> dict:
             "engine_tok_s": generated / engine_s, "hf_tok_s": sum(outputs) / hf_s, "speedup_vs_hf": hf_s / engine_s}
 
 
-def stream_gap(llm: LLM, stream_prompt: list[int], args: argparse.Namespace) -> dict:
-    """Serve `llm`'s engine; the longest gap of a streamed completion while a big text
-    prompt is posted. The engine belongs to the server afterwards."""
-    from engine.server.api_server import build_app
-    from engine.server.state import create_state
-
-    settings = ServerConfig(log_level="warning")
-    state = create_state(llm.engine, settings, ("bench",))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
-    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    serving.start()
+def stream_gap(path: str, stream_prompt: str, args: argparse.Namespace) -> dict:
+    """A `kvtier serve` process of the model (this process is its client); the longest
+    gap of a streamed completion while a big text prompt is posted."""
+    settings = ServerConfig()
+    server = ServerProcess("--model", path, "--dtype", args.dtype, "--served-model-name", "bench",
+                           "--log-level", "warning")
     try:
-        while not server.started:
-            time.sleep(0.05)
-        return _measure_gap(port, llm.tokenizer.decode(stream_prompt), _big_prompt(settings, args), args)
+        return _measure_gap(server.host_port, stream_prompt, _big_prompt(settings, args), args)
     finally:
-        server.should_exit = True
-        serving.join()
+        server.stop()
 
 
 def _big_prompt(settings, args: argparse.Namespace) -> str:
@@ -232,17 +221,17 @@ def _big_prompt(settings, args: argparse.Namespace) -> str:
     return text
 
 
-def _measure_gap(port: int, stream_prompt: str, big_prompt: str, args: argparse.Namespace) -> dict:
-    # Encoded before the stream starts: the client shares the server's process (and GIL),
-    # and encoding 8 MB of JSON is the client's work, not the server's.
+def _measure_gap(address: tuple[str, int], stream_prompt: str, big_prompt: str, args: argparse.Namespace) -> dict:
+    # Encoded before the stream starts: encoding 8 MB of JSON is the client's work, and
+    # it would take this process's core from the streaming thread.
     body = json.dumps({"model": "bench", "prompt": big_prompt, "max_tokens": 4}).encode()
     events: list[float] = []
-    streaming = threading.Thread(target=_stream, args=(port, stream_prompt, args.stream_tokens, events))
+    streaming = threading.Thread(target=_stream, args=(address, stream_prompt, args.stream_tokens, events))
     streaming.start()
     while len(events) < 16 and streaming.is_alive():
         time.sleep(0.01)
     sent = time.perf_counter()
-    status, answer = _post(port, body)
+    status, answer = _post(address, body)
     answered = time.perf_counter()
     streaming.join()
     gaps = list(itertools.pairwise(events))
@@ -254,10 +243,10 @@ def _measure_gap(port: int, stream_prompt: str, big_prompt: str, args: argparse.
             "median_gap_ms": 1000 * median(others), "stream_tokens": len(events)}
 
 
-def _stream(port: int, prompt: str, max_tokens: int, events: list[float]) -> None:
+def _stream(address: tuple[str, int], prompt: str, max_tokens: int, events: list[float]) -> None:
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "ignore_eos": True, "stream": True})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection = http.client.HTTPConnection(*address, timeout=600)
     connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
     for line in response:
@@ -266,8 +255,8 @@ def _stream(port: int, prompt: str, max_tokens: int, events: list[float]) -> Non
     connection.close()
 
 
-def _post(port: int, body: bytes) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+def _post(address: tuple[str, int], body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection(*address, timeout=600)
     connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
     answer = response.read()
@@ -296,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         result["profile"] = profile_parts(parts, args)
     if "stream_gap" in args.parts:
-        result["stream_gap"] = stream_gap(llm, parts.prompt(2000), args)
+        result["stream_gap"] = stream_gap(path, llm.tokenizer.decode(parts.prompt(2000)), args)
     plot(result)
     publish(NAME, result, render(result))
     return 0

@@ -1,0 +1,90 @@
+"""A real `kvtier serve` process on a free loopback port, started and stopped from Python."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+STARTUP_TIMEOUT_S = 120
+
+
+class ServerProcess:
+    """`python -m engine.cli serve ...` with --port 0; the URL comes from its startup summary.
+
+    `command` replaces `python -m engine.cli serve` by another entry point taking the same
+    flags (the reliability tests' poisoned server), `env` the environment it runs in."""
+
+    def __init__(
+        self,
+        *flags: str,
+        command: Sequence[str] = (sys.executable, "-m", "engine.cli", "serve"),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.flags = flags
+        env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [*command, "--port", "0", *flags], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: list[str] = []
+        self._url_seen = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read_output, daemon=True).start()
+        self._wait_ready()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parsed = urlparse(self.url)
+        return parsed.hostname or "127.0.0.1", parsed.port or 80
+
+    def _read_output(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = re.search(r"URL\s+(http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                self._url_seen.set()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if self._url_seen.is_set() and self._healthy():
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not start:\n" + self.output)
+
+    def _healthy(self) -> bool:
+        connection = http.client.HTTPConnection(*self.host_port, timeout=1)
+        try:
+            connection.request("GET", "/health")
+            return connection.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            connection.close()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
