@@ -4,8 +4,9 @@ The engine thread runs every step, so a prompt tokenized there (8 MB of text tak
 seconds) stalls every running stream. `PromptTokenizer` tokenizes in a worker thread
 (asyncio's default executor), through the Rust tokenizer's batch call, which releases
 the GIL while it works, so the engine thread and the event loop keep running meanwhile. A text prompt is first
-tokenized only up to `max_model_len * PREFIX_CHARS_PER_TOKEN` characters: when that
-prefix alone leaves no room for an output token, the request is refused without
+longer than `max_model_len * 8` characters is first tokenized only up to
+`max_model_len * 4` characters, then `max_model_len * 8` (`PREFIX_CHARS_PER_TOKEN`): when
+such a prefix alone leaves no room for an output token, the request is refused without
 tokenizing the rest.
 
 A segmented prompt (the completions API's `segments`, or text split at the request's
@@ -24,10 +25,11 @@ from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segment
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
 
-# Characters of a text prompt tokenized before the whole: English prose averages about
-# four characters a token and code about three, so a prefix of twice that many
-# characters as the context has tokens already overflows it when the prompt does.
-PREFIX_CHARS_PER_TOKEN = 8
+# Characters of a text prompt tokenized before the whole, per token of context, tried in
+# turn: English prose averages about four characters a token and code about three, so a
+# prefix of four times as many characters as the context has tokens usually overflows it
+# already when the prompt does, and one of eight times does.
+PREFIX_CHARS_PER_TOKEN = (4, 8)
 # A prefix cut inside a word can tokenize into a few more tokens than the same
 # characters do in the whole text; a prefix is judged too long only past this margin.
 CUT_MARGIN_TOKENS = 16
@@ -104,26 +106,29 @@ class PromptTokenizer:
 
     def _encode_segments(self, segments: Segments, add_special_tokens: bool, param: str) -> SegmentedTokens:
         texts = [p for p in segments.parts if isinstance(p, str)]
-        if sum(map(len, texts)) > self.max_model_len * PREFIX_CHARS_PER_TOKEN:
-            # as for one text: the joined prefix refuses an overlong prompt before its whole is tokenized
-            self._check_prefix("".join(texts), add_special_tokens, param)
+        # as for one text: the joined prefixes refuse an overlong prompt before its whole is tokenized
+        self._check_prefixes("".join(texts), add_special_tokens, param)
         token_ids = tokenize_segments(self._tokenize, segments, add_special_tokens)
         self._check(len(token_ids), param, at_least=False)
         return token_ids
 
     def _encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        if len(text) > self.max_model_len * PREFIX_CHARS_PER_TOKEN:
-            self._check_prefix(text, add_special_tokens, param)
+        self._check_prefixes(text, add_special_tokens, param)
         token_ids = self._tokenize(text, add_special_tokens)
         self._check(len(token_ids), param, at_least=False)
         return token_ids
 
-    def _check_prefix(self, text: str, add_special_tokens: bool, param: str) -> None:
-        """Refuse `text` when its first max_model_len * PREFIX_CHARS_PER_TOKEN characters
-        already overflow the context."""
-        num_prefix = len(self._tokenize(text[: self.max_model_len * PREFIX_CHARS_PER_TOKEN], add_special_tokens))
-        if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
-            raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
+    def _check_prefixes(self, text: str, add_special_tokens: bool, param: str) -> None:
+        """Refuse `text`, when it is longer than its longest PREFIX_CHARS_PER_TOKEN prefix,
+        as soon as one of those prefixes overflows the context. (A shorter text is
+        tokenized whole, and a refusal gives its exact count.)"""
+        if len(text) <= self.max_model_len * PREFIX_CHARS_PER_TOKEN[-1]:
+            return
+        for chars_per_token in PREFIX_CHARS_PER_TOKEN:
+            end = self.max_model_len * chars_per_token
+            num_prefix = len(self._tokenize(text[:end], add_special_tokens))
+            if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
+                raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch releases the GIL while it tokenizes; encode does not.

@@ -43,7 +43,7 @@ def test_prompt_of_max_model_len_tokens_is_refused_with_its_count(prompts, offli
 
 def test_a_long_text_is_refused_from_its_prefix(prompts):
     huge = "some ordinary words of text, " * 100_000  # 2.9 M characters
-    assert len(huge) > 100 * MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN
+    assert len(huge) > 100 * MAX_MODEL_LEN * max(PREFIX_CHARS_PER_TOKEN)
     with pytest.raises(PromptTooLongError, match=r"alone has at least \d+ tokens"):
         asyncio.run(prompts.encode([huge]))
     chat = [{"role": "user", "content": huge}]
@@ -51,11 +51,23 @@ def test_a_long_text_is_refused_from_its_prefix(prompts):
         asyncio.run(prompts.encode_chat(chat))
 
 
+def test_dense_text_is_refused_from_its_shortest_prefix(prompts, monkeypatch):
+    """Text of few characters a token overflows within the first prefix: nothing longer
+    is tokenized."""
+    seen: list[int] = []
+    tokenize = prompts._tokenize
+    monkeypatch.setattr(prompts, "_tokenize", lambda text, special: seen.append(len(text)) or tokenize(text, special))
+    dense = "a, b, c; " * 100_000
+    with pytest.raises(PromptTooLongError, match=r"alone has at least \d+ tokens"):
+        asyncio.run(prompts.encode([dense]))
+    assert seen == [MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN[0]]
+
+
 def test_a_long_text_whose_prefix_fits_is_tokenized_whole(prompts):
     # Nine characters a token (two of the tiny vocabulary's longest): the prefix fits
     # in max_model_len tokens, the whole text does not.
-    long_tokens = " requests computed" * (MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN // 10)
-    assert len(long_tokens) > MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN
+    long_tokens = " requests computed" * (MAX_MODEL_LEN * max(PREFIX_CHARS_PER_TOKEN) // 10)
+    assert len(long_tokens) > MAX_MODEL_LEN * max(PREFIX_CHARS_PER_TOKEN)
     with pytest.raises(PromptTooLongError, match=r"alone has \d+ tokens"):
         asyncio.run(prompts.encode([long_tokens]))
 
