@@ -22,6 +22,7 @@ engine's default options and torch's default threads.
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import itertools
 import json
@@ -206,9 +207,14 @@ def stream_gap(path: str, stream_prompt: str, args: argparse.Namespace) -> dict:
     settings = ServerConfig()
     server = ServerProcess("--model", path, "--dtype", args.dtype, "--served-model-name", "bench",
                            "--log-level", "warning")
+    # This process holds the bench's engine and transformers: a full collection of its
+    # objects in the client threads would show up as gaps of the stream.
+    gc.collect()
+    gc.freeze()
     try:
         return _measure_gap(server.host_port, stream_prompt, _big_prompt(settings, args), args)
     finally:
+        gc.unfreeze()
         server.stop()
 
 
