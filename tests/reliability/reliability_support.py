@@ -284,6 +284,9 @@ class PoisonedModel(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.compute_logits(hidden)
 
+    def pack_weights(self) -> bool:
+        return self.inner.pack_weights()
+
     def fuse_large_steps(self) -> None:
         self.inner.fuse_large_steps()
 
