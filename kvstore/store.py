@@ -221,12 +221,13 @@ class TieredStore:
         dropped, and finish the prefetches that are done. A remote tier that was
         unreachable since the last poll may have lost anything meanwhile (a Redis restarted
         empty, a failover): what the index knew of it is dropped, so that its records are
-        saved again (its put skips those it still holds) and probed for again."""
-        for tier in self.lower:
-            recoveries = self._recoveries.get(tier.name)
-            if recoveries is not None and tier.health.recoveries != recoveries:
-                self._recoveries[tier.name] = tier.health.recoveries
-                self.index.drop_tier(tier.name)
+        saved again (its put skips those it still holds) and probed for again. The
+        recoveries are read before the events are applied and acted on after: an event of
+        before the outage (a write to the Redis that then restarted) is no belief to keep."""
+        recovered = [
+            (t.name, t.health.recoveries) for t in self.lower
+            if t.name in self._recoveries and t.health.recoveries != self._recoveries[t.name]
+        ]
         while True:
             try:
                 event = self._parts.events.get_nowait()
@@ -237,6 +238,9 @@ class TieredStore:
             removed = tier.take_removed()
             if removed:
                 self.index.discard(removed, tier.name)
+        for name, recoveries in recovered:
+            self._recoveries[name] = recoveries
+            self.index.drop_tier(name)
         done = [p for p in self._prefetches if p[0].done()]
         if done:
             self._prefetches = [p for p in self._prefetches if not p[0].done()]

@@ -420,6 +420,13 @@ def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory):
         server.resume()
 
 
+def wait_for_health(store: TieredStore, tier: str, state: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.stats().tiers[tier].health != state:
+        assert time.monotonic() < deadline, f"{tier} never became {state}"
+        time.sleep(0.02)
+
+
 def test_redis_outage_is_misses_then_recovery(redis_factory):
     server = redis_factory()
     spec = make_spec()
@@ -434,21 +441,11 @@ def test_redis_outage_is_misses_then_recovery(redis_factory):
         assert time.monotonic() - start < 2
         assert store.stats().tiers["redis"].health == "unhealthy"
         server.start()
-        deadline = time.monotonic() + 5
-        while store.stats().tiers["redis"].health != "healthy":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_health(store, "redis", "healthy")
         save_chunks(store, range(2))
         assert store.lookup(keys).num_chunks == 2
     finally:
         store.close()
-
-
-def wait_for_health(store: TieredStore, tier: str, state: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while store.stats().tiers[tier].health != state:
-        assert time.monotonic() < deadline, f"{tier} never became {state}"
-        time.sleep(0.02)
 
 
 def test_after_an_outage_records_the_index_knew_in_redis_are_saved_again(redis_factory):
