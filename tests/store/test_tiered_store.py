@@ -427,11 +427,16 @@ def wait_for_health(store: TieredStore, tier: str, state: str, timeout_s: float 
         time.sleep(0.02)
 
 
+def redis_only_store(server, spec) -> TieredStore:
+    """A store on `server` alone, with short timeouts and a fast probe (outage tests)."""
+    return TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
+                                    redis_probe_interval_s=0.05)
+
+
 def test_redis_outage_is_misses_then_recovery(redis_factory):
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
-                                     redis_probe_interval_s=0.05)
+    store = redis_only_store(server, spec)
     try:
         keys = save_chunks(store, range(2))
         server.kill()
@@ -453,8 +458,7 @@ def test_after_an_outage_records_the_index_knew_in_redis_are_saved_again(redis_f
     of before, or saving them again would skip Redis."""
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
-                                     redis_probe_interval_s=0.05)
+    store = redis_only_store(server, spec)
     try:
         keys = save_chunks(store, range(3))
         assert store.lookup(keys).num_chunks == 3
