@@ -7,8 +7,10 @@ costs no network round trip on the hot path. Recovery does not wait for the back
 tier with a background probe (Redis) asks at a short period while unhealthy and records
 the success as soon as it gets an answer.
 
-`recoveries` counts the returns to HEALTHY, so that whoever keeps beliefs about the tier
-(the store's index of a remote tier) can tell that an outage happened in between.
+`recoveries` counts the outages the tier came back from: returns to HEALTHY, and restarts
+a probe noticed while the tier looked healthy throughout (`record_restart`), so that
+whoever keeps beliefs about the tier (the store's index of a remote tier) can tell that
+what it knew may be gone.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class HealthMonitor:
                 self.recoveries += 1
             self.state = Health.HEALTHY
             self._backoff = self._min
+
+    def record_restart(self) -> None:
+        """The service behind the tier restarted between two answers: an outage too short
+        for any operation to fail, after which it may hold nothing of before."""
+        with self._lock:
+            self.recoveries += 1
 
     def record_failure(self, error: BaseException | str) -> None:
         with self._lock:

@@ -86,6 +86,7 @@ class RedisTier(RecordTier):
         self._capacity = 0
         self._usage = 0
         self._entries = 0
+        self._run_ids: frozenset[str] | None = None  # the Redis processes the last probe answered from
         self._removed: list[str] = []
         self._lock = threading.Lock()
 
@@ -223,9 +224,11 @@ class RedisTier(RecordTier):
         return (("redis-probe", self._probe_forever),)
 
     async def probe(self) -> bool:
-        """One health/usage probe (INFO memory and DBSIZE), whatever the backoff; True if
-        Redis answered. Coming back from unhealthy, the pooled connections of before are
-        dropped first."""
+        """One health/usage probe (INFO server and memory, DBSIZE), whatever the backoff;
+        True if Redis answered. Coming back from unhealthy, the pooled connections of
+        before are dropped first. A Redis process other than the last probe's (a restart,
+        or a failover in a cluster) may have lost what it held, though the tier never
+        looked unhealthy in between: that is told to the health monitor as an outage."""
         recovering = self.health.state is not Health.HEALTHY
         info = await self._guarded(self._read_info, None, force=True, record_success=False)
         if info is None:
@@ -233,7 +236,10 @@ class RedisTier(RecordTier):
         if recovering:
             await asyncio.to_thread(self._drop_connections)
         self.health.record_success()
-        self._capacity, self._usage, self._entries = info
+        run_ids, self._capacity, self._usage, self._entries = info
+        if self._run_ids is not None and run_ids != self._run_ids:
+            self.health.record_restart()
+        self._run_ids = run_ids
         return True
 
     async def aclose(self) -> None:
@@ -255,18 +261,20 @@ class RedisTier(RecordTier):
         if self._reader is not None:
             self._reader.close()
 
-    def _read_info(self) -> tuple[int, int, int]:
+    def _read_info(self) -> tuple[frozenset[str], int, int, int]:
         if isinstance(self._client, RedisCluster):
-            per_node = self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            servers = list(self._client.info("server", target_nodes=RedisCluster.PRIMARIES).values())
+            infos = list(self._client.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
             sizes = self._client.dbsize(target_nodes=RedisCluster.PRIMARIES)
-            infos = list(per_node.values())
             entries = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
         else:
+            servers = [self._client.info("server")]
             infos = [self._client.info("memory")]
             entries = self._client.dbsize()
+        run_ids = frozenset(str(i.get("run_id", "")) for i in servers)
         capacity = sum(int(i.get("maxmemory", 0)) for i in infos)
         usage = sum(int(i.get("used_memory", 0)) for i in infos)
-        return capacity, usage, entries
+        return run_ids, capacity, usage, entries
 
     async def _pipelined(
         self, keys: Sequence[str], add: Callable[[Any, int, str], Any], prefixed: bool = False

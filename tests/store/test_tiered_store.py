@@ -474,6 +474,27 @@ def test_after_an_outage_records_the_index_knew_in_redis_are_saved_again(redis_f
         store.close()
 
 
+def test_a_redis_restarted_between_two_probes_is_an_outage_though_no_operation_failed(redis_factory):
+    """Killed and started again between two probes, Redis never looked unhealthy; the
+    probe that finds another Redis process must still make the index forget it."""
+    server = redis_factory()
+    spec = make_spec()
+    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_probe_interval_s=3600)
+    (redis,) = store.lower
+    try:
+        keys = save_chunks(store, range(3))
+        assert asyncio.run(redis.probe())
+        server.kill()
+        server.start()  # empty
+        assert asyncio.run(redis.probe())
+        assert redis.health.last_error is None  # nothing failed: only the process changed
+        assert store.lookup(keys).num_chunks == 0
+        save_chunks(store, range(3))
+        assert len(list(server.client().scan_iter("kvtier:*"))) == 3
+    finally:
+        store.close()
+
+
 def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_factory):
     server = redis_factory()
     store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, lookup_timeout_s=0.2)
