@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _DRAIN_POLL_S = 0.01
+# How often an idle engine thread republishes the engine's stats.
+IDLE_STATS_REFRESH_S = 0.5
 
 
 class QueueFullError(RuntimeError):
@@ -362,8 +364,16 @@ class AsyncEngine:
         self._stats = MappingProxyType(dict(self._engine.stats()))
 
     def _take_commands(self, block: bool) -> list[_Command]:
-        """All queued commands; when idle, wait (without spinning) for at least one."""
-        commands = [self._inbox.get()] if block else []
+        """All queued commands; when idle, wait (without spinning) for at least one,
+        republishing the stats every IDLE_STATS_REFRESH_S meanwhile: the store goes on
+        between steps (writes behind the last request finish, other instances' records
+        are found), and a scrape of an idle server must see it."""
+        commands = []
+        while block and not commands:
+            try:
+                commands.append(self._inbox.get(timeout=IDLE_STATS_REFRESH_S))
+            except queue.Empty:
+                self._publish_stats()
         while True:
             try:
                 commands.append(self._inbox.get_nowait())

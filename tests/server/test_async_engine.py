@@ -15,6 +15,7 @@ from contextlib import aclosing
 import pytest
 
 from engine.async_engine import (
+    IDLE_STATS_REFRESH_S,
     AsyncEngine,
     EngineClosedError,
     EngineDeadError,
@@ -280,6 +281,23 @@ def test_stats_snapshot_is_published_after_steps_and_read_only():
             ae.stats["steps"] = 0  # type: ignore[index]
 
     run(scenario, engine)
+
+
+def test_stats_that_change_while_idle_are_republished():
+    """The store works on between steps (a write behind the last request): an idle
+    engine thread publishes its stats again, without polling for work."""
+    engine = ScriptedEngine()
+
+    async def scenario(ae: AsyncEngine):
+        await _collect(ae, "r", 2)
+        await _until(lambda: ae.stats.get("steps") == 2)
+        polls = engine.num_polls
+        engine.num_steps = 7  # what a background write would move
+        await _until(lambda: ae.stats.get("steps") == 7, timeout=4 * IDLE_STATS_REFRESH_S)
+        return polls, engine.num_polls
+
+    polls_before, polls_after = run(scenario, engine)
+    assert polls_after == polls_before
 
 
 def test_call_runs_on_the_engine_thread_and_raises_its_errors():
