@@ -3,11 +3,13 @@
 The engine thread runs every step, so a prompt tokenized there (8 MB of text takes
 seconds) stalls every running stream. `PromptTokenizer` tokenizes in a worker thread
 (asyncio's default executor), through the Rust tokenizer's batch call, which releases
-the GIL while it works, so the engine thread and the event loop keep running meanwhile. A text prompt is first
-longer than `max_model_len * 8` characters is first tokenized only up to
+the GIL while it works, so the engine thread and the event loop keep running meanwhile.
+A text prompt longer than `max_model_len * 8` characters is first tokenized only up to
 `max_model_len * 4` characters, then `max_model_len * 8` (`PREFIX_CHARS_PER_TOKEN`): when
 such a prefix alone leaves no room for an output token, the request is refused without
-tokenizing the rest.
+tokenizing the rest. Every text is checked for lone surrogates just before it is
+tokenized (a prompt's validation leaves that to this module), so a refused prompt's
+rest is not even scanned.
 
 A segmented prompt (the completions API's `segments`, or text split at the request's
 `kv_blend_separator` or else `--kv-blend-separator`) is tokenized segment by segment
@@ -24,6 +26,7 @@ from typing import Any
 from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
+from engine.server.protocol import check_unicode
 
 # Characters of a text prompt tokenized before the whole, per token of context, tried in
 # turn: English prose averages about four characters a token and code about three, so a
@@ -108,13 +111,14 @@ class PromptTokenizer:
         texts = [p for p in segments.parts if isinstance(p, str)]
         # as for one text: the joined prefixes refuse an overlong prompt before its whole is tokenized
         self._check_prefixes("".join(texts), add_special_tokens, param)
-        token_ids = tokenize_segments(self._tokenize, segments, add_special_tokens)
+        token_ids = tokenize_segments(lambda text, first: self._tokenize(text, first, param), segments,
+                                      add_special_tokens)
         self._check(len(token_ids), param, at_least=False)
         return token_ids
 
     def _encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         self._check_prefixes(text, add_special_tokens, param)
-        token_ids = self._tokenize(text, add_special_tokens)
+        token_ids = self._tokenize(text, add_special_tokens, param)
         self._check(len(token_ids), param, at_least=False)
         return token_ids
 
@@ -126,11 +130,18 @@ class PromptTokenizer:
             return
         for chars_per_token in PREFIX_CHARS_PER_TOKEN:
             end = self.max_model_len * chars_per_token
-            num_prefix = len(self._tokenize(text[:end], add_special_tokens))
+            num_prefix = len(self._tokenize(text[:end], add_special_tokens, param))
             if num_prefix - CUT_MARGIN_TOKENS >= self.max_model_len:
                 raise PromptTooLongError(self.max_model_len, num_prefix - CUT_MARGIN_TOKENS, param, at_least=True)
 
-    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """The token ids of `text`, refused (400) if it holds a lone surrogate: every text the
+        tokenizer gets is checked here, so that a huge prompt refused from its prefixes is
+        never scanned whole (the check is a pass over the text that holds the GIL)."""
+        try:
+            check_unicode(text)
+        except ValueError as exc:
+            raise APIError(400, f"The {param} {exc}.", param=param, code="invalid_value") from None
         # encode_batch releases the GIL while it tokenizes; encode does not.
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 

@@ -4,7 +4,10 @@ Requests are validated strictly (no string-to-number coercion, as OpenAI does) a
 unknown fields are ignored. Fields OpenAI defines but the engine cannot honour are
 accepted only at their neutral value, so a client never silently gets other semantics.
 Every string must be valid Unicode: JSON can spell a lone UTF-16 surrogate (`"\\ud800"`),
-which no tokenizer and no UTF-8 encoder accepts, so it is refused here (`Text`).
+which no tokenizer and no UTF-8 encoder accepts, so it is refused here (`Text`), except
+in the texts of a completion's `prompt` and `segments`: those are checked by the server's
+tokenizer (engine/server/prompts.py), as far as it reads them, since a huge prompt is
+refused from its first characters.
 
 JSON has no NaN or infinity: response bodies are rendered with pydantic's JSON encoder
 (`responses.json_response`, `responses.sse`), which writes a non-finite float (such as a
@@ -65,14 +68,15 @@ def _is_token_list(value: Any) -> bool:
 
 
 def parse_prompt(value: Any) -> Prompts:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    """A string, a list of strings, a list of token ids, or a list of token-id lists
+    (texts unchecked for lone surrogates: see the module docstring)."""
     if isinstance(value, str):
-        return [check_unicode(value)]
+        return [value]
     if isinstance(value, list) and value:
         if _is_token_list(value):
             return [value]
         if all(isinstance(p, str) for p in value):
-            return [check_unicode(p) for p in value]
+            return list(value)
         if all(_is_token_list(p) and p for p in value):
             return list(value)
     raise ValueError(
@@ -82,11 +86,12 @@ def parse_prompt(value: Any) -> Prompts:
 
 
 def parse_segments(value: Any) -> list[str | list[int]]:
-    """A prompt's segments: a list of texts, or a list of token-id lists."""
+    """A prompt's segments: a list of texts, or a list of token-id lists (texts unchecked
+    for lone surrogates: see the module docstring)."""
     kinds_ok = isinstance(value, list) and (
         all(isinstance(s, str) for s in value) or all(_is_token_list(s) for s in value))
     if kinds_ok and 0 < len(value) <= MAX_SEGMENTS:
-        return [check_unicode(s) if isinstance(s, str) else s for s in value]
+        return list(value)
     raise ValueError(
         f"must be a list of 1 to {MAX_SEGMENTS} strings, or of as many lists of non-negative token ids"
     )

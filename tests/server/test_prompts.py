@@ -5,11 +5,13 @@ before the whole of it is tokenized."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from transformers import AutoTokenizer
 
 from engine.blend import SegmentedTokens, Segments
+from engine.server.errors import APIError
 from engine.server.prompts import PREFIX_CHARS_PER_TOKEN, PromptTokenizer, PromptTooLongError
 from tests.server.server_helpers import MAX_MODEL_LEN
 
@@ -56,11 +58,34 @@ def test_dense_text_is_refused_from_its_shortest_prefix(prompts, monkeypatch):
     is tokenized."""
     seen: list[int] = []
     tokenize = prompts._tokenize
-    monkeypatch.setattr(prompts, "_tokenize", lambda text, special: seen.append(len(text)) or tokenize(text, special))
+    monkeypatch.setattr(prompts, "_tokenize",
+                        lambda text, special, param: seen.append(len(text)) or tokenize(text, special, param))
     dense = "a, b, c; " * 100_000
     with pytest.raises(PromptTooLongError, match=r"alone has at least \d+ tokens"):
         asyncio.run(prompts.encode([dense]))
     assert seen == [MAX_MODEL_LEN * PREFIX_CHARS_PER_TOKEN[0]]
+
+
+def test_a_lone_surrogate_is_refused_where_the_text_is_tokenized(prompts):
+    """Validation leaves a prompt's texts to the tokenizer's check: a lone surrogate in a
+    text, in a segment or in the prefix a huge text is judged by is a 400 on that param."""
+    for prompt in ["ok \ud800", Segments(["doc", "question \udc00"])]:
+        with pytest.raises(APIError, match="lone UTF-16 surrogate") as raised:
+            asyncio.run(prompts.encode([prompt], param="prompt"))
+        assert (raised.value.status, raised.value.param, raised.value.code) == (400, "prompt", "invalid_value")
+    huge_with_early_surrogate = "\ud800" + "a, b, c; " * 100_000
+    with pytest.raises(APIError, match="lone UTF-16 surrogate"):
+        asyncio.run(prompts.encode([huge_with_early_surrogate]))
+
+
+def test_a_huge_prompt_is_refused_from_its_prefix_without_scanning_the_rest(http):
+    """A lone surrogate past every prefix a refused prompt is judged by is never read: the
+    answer is the prompt's length, not its surrogate."""
+    body = {"model": "tiny", "prompt": "a, b, c; " * MAX_MODEL_LEN + "\ud800", "max_tokens": 2}
+    raw = json.dumps(body).encode()  # ASCII with \u escapes: the lone surrogate survives
+    response = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_long_text_whose_prefix_fits_is_tokenized_whole(prompts):
