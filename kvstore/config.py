@@ -101,8 +101,9 @@ def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) 
     """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError
     naming the tier's option."""
     builders = {
+        # Below a cpu tier, the page cache would hold a second copy of what the cpu tier holds.
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,
-                                 head_bytes=codec.head_size),
+                                 head_bytes=codec.head_size, direct_io="cpu" in config.tiers),
         "redis": lambda: RedisTier(
             config.redis_url,
             pins,

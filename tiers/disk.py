@@ -26,6 +26,10 @@ and writes resume by themselves when space comes back.
 fsync policy: "none" (rename only: atomic for readers, may lose recent records on power
 loss; checksums then turn a damaged record into a miss), "file" (fsync the record before
 the rename), "full" (also fsync the directory after the rename).
+
+With `direct_io` (the store asks for it when a cpu tier sits above the disk), records
+are written and read into slots with O_DIRECT (tiers/direct_io.py), bypassing the page
+cache, where the filesystem supports it; the index rebuild's head reads stay buffered.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import asyncio
 import contextlib
 import errno
 import io
+import logging
 import os
 import secrets
 import threading
@@ -44,6 +49,7 @@ from pathlib import Path
 
 import aiofiles.os
 
+from tiers import direct_io
 from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key, split_evenly
 from tiers.errors import TierConfigError
 from tiers.lru import LruIndex
@@ -55,6 +61,8 @@ FSYNC_POLICIES = ("none", "file", "full")
 SPACE_CHECK_S = 0.5
 SPACE_HEADROOM_BLOCKS = 4  # filesystem blocks left free: directory entries, rounding
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+
+log = logging.getLogger(__name__)
 
 
 class DiskTier(RecordTier):
@@ -69,6 +77,7 @@ class DiskTier(RecordTier):
         io_jobs: int = 8,
         stale_tmp_s: float = 600.0,
         head_bytes: int = 0,
+        direct_io: bool = False,
     ) -> None:
         super().__init__(pins)
         if fsync not in FSYNC_POLICIES:
@@ -84,6 +93,7 @@ class DiskTier(RecordTier):
             raise TierConfigError(f"cannot create disk tier directory {self.root}: {exc}") from exc
         self.fsync = fsync
         self.head_bytes = head_bytes
+        self.direct_io = direct_io and _direct_io_supported(self.root)
         self._capacity = capacity_bytes
         self._stale_tmp_s = stale_tmp_s
         self._lock = threading.Lock()
@@ -419,12 +429,12 @@ class DiskTier(RecordTier):
         self, jobs: list[tuple[Path, memoryview | None]]
     ) -> list[Buffer | OSError]:
         async with self._io_slots:
-            return await _read_files(jobs)
+            return await _read_files(jobs, self.direct_io)
 
     async def _write_group(self, group: list[tuple[int, str, Buffer, int]]) -> list[OSError | None]:
         async with self._io_slots:
             return await _write_files(
-                [(self.path(key), data) for _, key, data, _ in group], self.fsync
+                [(self.path(key), data) for _, key, data, _ in group], self.fsync, self.direct_io
             )
 
     async def _remove(self, path: Path) -> int:
@@ -474,10 +484,13 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink()
 
 
-def _read_files_sync(jobs: list[tuple[Path, memoryview | None]]) -> list[Buffer | OSError]:
+def _read_files_sync(jobs: list[tuple[Path, memoryview | None]], direct: bool) -> list[Buffer | OSError]:
     outcomes: list[Buffer | OSError] = []
     for path, buffer in jobs:
         try:
+            if direct and buffer is not None:
+                outcomes.append(buffer[: direct_io.read_into(path, buffer)])
+                continue
             with open(path, "rb", buffering=0) as f:
                 outcomes.append(f.read() if buffer is None else buffer[: _fill(f, buffer)])
         except OSError as exc:
@@ -496,11 +509,11 @@ def _fill(f: io.RawIOBase, buffer: memoryview) -> int:
     return total
 
 
-def _write_files_sync(jobs: list[tuple[Path, Buffer]], fsync: str) -> list[OSError | None]:
+def _write_files_sync(jobs: list[tuple[Path, Buffer]], fsync: str, direct: bool) -> list[OSError | None]:
     outcomes: list[OSError | None] = []
     for path, data in jobs:
         try:
-            _write_file_atomically(path, data, fsync)
+            _write_file_atomically(path, data, fsync, direct)
         except OSError as exc:
             outcomes.append(exc)
         else:
@@ -508,17 +521,20 @@ def _write_files_sync(jobs: list[tuple[Path, Buffer]], fsync: str) -> list[OSErr
     return outcomes
 
 
-def _write_file_atomically(path: Path, data: Buffer, fsync: str) -> None:
+def _write_file_atomically(path: Path, data: Buffer, fsync: str, direct: bool = False) -> None:
     """Write to a temporary name in the same directory, then rename over `path`."""
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
-        with open(tmp, "wb", buffering=0) as f:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[f.write(view) :]
-            if fsync != "none":
-                os.fsync(f.fileno())
+        if direct:
+            direct_io.write(tmp, data, sync=fsync != "none")
+        else:
+            with open(tmp, "wb", buffering=0) as f:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[f.write(view) :]
+                if fsync != "none":
+                    os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
@@ -531,6 +547,13 @@ def _write_file_atomically(path: Path, data: Buffer, fsync: str) -> None:
 # (open, read or write, close, rename), which costs more than the I/O of a 1 MiB record.
 _read_files = aiofiles.os.wrap(_read_files_sync)
 _write_files = aiofiles.os.wrap(_write_files_sync)
+
+
+def _direct_io_supported(root: Path) -> bool:
+    if direct_io.supported(root):
+        return True
+    log.info("disk tier %s: the filesystem refuses O_DIRECT; records use the page cache", root)
+    return False
 
 
 def _process_alive(pid: int) -> bool:
