@@ -490,9 +490,9 @@ def _read_files_sync(jobs: list[tuple[Path, memoryview | None]], direct: bool) -
         try:
             if direct and buffer is not None:
                 outcomes.append(buffer[: direct_io.read_into(path, buffer)])
-                continue
-            with open(path, "rb", buffering=0) as f:
-                outcomes.append(f.read() if buffer is None else buffer[: _fill(f, buffer)])
+            else:
+                with open(path, "rb", buffering=0) as f:
+                    outcomes.append(f.read() if buffer is None else buffer[: _fill(f, buffer)])
         except OSError as exc:
             outcomes.append(exc)
     return outcomes
@@ -521,7 +521,7 @@ def _write_files_sync(jobs: list[tuple[Path, Buffer]], fsync: str, direct: bool)
     return outcomes
 
 
-def _write_file_atomically(path: Path, data: Buffer, fsync: str, direct: bool = False) -> None:
+def _write_file_atomically(path: Path, data: Buffer, fsync: str, direct: bool) -> None:
     """Write to a temporary name in the same directory, then rename over `path`."""
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
