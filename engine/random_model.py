@@ -27,6 +27,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from engine.models import resolve_dtype
 
@@ -146,9 +147,21 @@ def make_model(
         eos_token_id=config["eos_token_id"],
         pad_token_id=config["pad_token_id"],
     )
-    model.save_pretrained(path, safe_serialization=True)
+    _save_quietly(model, path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _save_quietly(model: Any, path: str) -> None:
+    """save_pretrained without transformers' shard-writing progress bar, which would
+    otherwise be the first lines on stderr of a command that builds a built-in model."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _config(

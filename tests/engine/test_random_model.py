@@ -94,3 +94,9 @@ def test_random_builtin_lost_race(tmp_path, monkeypatch):
                                                     racing_install, needs_download=False))
     assert resolve_model("builtin:random") == str(final)
     assert os.listdir(final.parent) == ["builtin-llama-v1"]
+
+
+def test_making_a_model_writes_nothing_to_the_terminal(tmp_path, capfd):
+    make_model(str(tmp_path / "quiet"), "llama", "tiny")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")

@@ -205,16 +205,33 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 
 # ---- records -----------------------------------------------------------------------------
 
 
-def bytes_on_disk(root: Path) -> int:
-    """Record and temporary files, as they are right now (files may vanish meanwhile)."""
-    total = 0
+def bytes_on_disk(root: Path, attempts: int = 200) -> int:
+    """The bytes of record and temporary files under `root` at one moment.
+
+    One walk is not a snapshot: a file evicted from a directory the walk has already
+    listed and its replacement written to one it lists later are both counted. Two walks
+    in a row that find the same files of the same sizes are one: each directory held
+    those files from its first listing to its second, so all of them together did between
+    the end of the first walk and the start of the second. Walks are repeated until two
+    agree; AssertionError if none do in `attempts`."""
+    previous = _file_sizes(root)
+    for _ in range(attempts):
+        current = _file_sizes(root)
+        if current == previous:
+            return sum(current.values())
+        previous = current
+    raise AssertionError(f"the files under {root} never held still for two walks")
+
+
+def _file_sizes(root: Path) -> dict[Path, int]:
+    sizes = {}
     for path in root.rglob("*"):
         try:
             if path.is_file():
-                total += path.stat().st_size
+                sizes[path] = path.stat().st_size
         except FileNotFoundError:
             continue
-    return total
+    return sizes
 
 
 def record_files(root: Path) -> list[Path]:
