@@ -23,6 +23,8 @@ from reliability_support import (
 )
 from scorecard import Scorecard
 
+from tests.server.server_helpers import EAGER_OPS
+
 
 @pytest.fixture(scope="session")
 def model_path(tiny_model_factory: Callable[..., str]) -> str:
@@ -62,7 +64,7 @@ def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> I
     limits on slow request bodies."""
     disk = tmp_path_factory.mktemp("server-kv")
     server = FaultServer(
-        "--model", model_path, "--dtype", "float32", "--served-model-name", "tiny",
+        "--model", model_path, "--dtype", "float32", "--served-model-name", "tiny", EAGER_OPS,
         "--num-kv-blocks", "96", "--max-num-seqs", "16", "--kv-chunk-tokens", str(CHUNK),
         "--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "1MiB",
         "--kv-offload-disk-path", str(disk), "--kv-offload-disk-size", "4MiB",

@@ -15,13 +15,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "test-admin-token-0123456789"
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
+# Servers of the tiny model run eager elementwise ops: compiling the fused forms would add
+# seconds to every server's start, and tests/engine/test_fused_ops.py checks them.
+EAGER_OPS = "--no-fuse-elementwise"
 
 
 def server_flags(model_path: str, *extra: str, num_kv_blocks: int = 256) -> list[str]:
     return [
         "--model", model_path, "--dtype", "float32", "--num-kv-blocks", str(num_kv_blocks),
         "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME,
-        "--log-level", "warning", *extra,
+        "--log-level", "warning", EAGER_OPS, *extra,
     ]
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from bench.redis_server import RedisServer
-from tests.server.server_helpers import REPO_ROOT, ServerProcess
+from tests.server.server_helpers import EAGER_OPS, REPO_ROOT, ServerProcess
 
 RECOVERY_TIMEOUT_S = 30  # the probe's backoff is at most 8 s
 
@@ -22,7 +22,7 @@ def test_redis_down_at_start_is_degraded_then_recovers(model_path, redis_binary,
     process = ServerProcess(
         "--model", model_path, "--num-kv-blocks", "32", "--kv-offload", "cpu,redis",
         "--kv-redis-url", redis.url, "--kv-offload-cpu-size", "16MiB", "--kv-chunk-tokens", "32",
-        "--log-level", "warning",
+        "--log-level", "warning", EAGER_OPS,
     )
     try:
         assert f"the redis tier at {redis.url} does not answer" in process.output

@@ -15,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.server_helpers import MAX_MODEL_LEN, REPO_ROOT, ServerProcess
+from tests.server.server_helpers import EAGER_OPS, MAX_MODEL_LEN, REPO_ROOT, ServerProcess
 
 KEY = "sk-test-key-0123"
 NAMES = ("first-name", "second-name")
@@ -46,7 +46,7 @@ def server(model_path, template_file):
     process = ServerProcess(
         model_path, "--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN),
         "--served-model-name", *NAMES, "--chat-template", template_file, "--max-logprobs", "5",
-        "--log-level", "warning", env=env,
+        "--log-level", "warning", EAGER_OPS, env=env,
     )
     yield process
     process.stop()
@@ -89,7 +89,8 @@ def test_health_metrics_version_stay_open(server):
 
 def test_the_key_also_comes_from_kvtier_api_key_and_the_flag(model_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVTIER_API_KEY": "sk-from-kvtier"}
-    process = ServerProcess("--model", model_path, "--num-kv-blocks", "16", "--log-level", "warning", env=env)
+    process = ServerProcess("--model", model_path, "--num-kv-blocks", "16", "--log-level", "warning", EAGER_OPS,
+                            env=env)
     try:
         assert httpx.get(process.url + "/v1/models").status_code == 401
         ok = httpx.get(process.url + "/v1/models", headers={"Authorization": "Bearer sk-from-kvtier"})
