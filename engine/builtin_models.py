@@ -7,9 +7,10 @@
   GGUF into a checkpoint directory in the user cache; from then on everything is
   offline. The conversion keeps the dequantized weights in fp32 (exact, so fp32 runs
   equal transformers' own loading of the GGUF) and declares bfloat16 as the model's
-  dtype, so `--dtype auto` serves it in bf16 (twice as fast on CPU). The GGUF file stays
-  in its `gguf/` subdirectory (`--model` accepts it too; it sits apart because
-  transformers reads a GGUF's tokenizer settings from any tokenizer_config.json beside it).
+  dtype, so `--dtype auto` serves it in bf16 (twice as fast on a CPU with native bf16
+  matmuls; fp32 on one without). The GGUF file stays in its `gguf/` subdirectory
+  (`--model` accepts it too; it sits apart because transformers reads a GGUF's
+  tokenizer settings from any tokenizer_config.json beside it).
 - `builtin:tiny` and `builtin:random`: random-weight Llama models built locally
   (engine/random_model.py): 2 layers for fast tests, 8 layers for cache behaviour at a
   realistic KV size. Their text is meaningless.

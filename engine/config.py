@@ -201,7 +201,8 @@ class ModelOptions(Options):
         "(a value with braces or a newline).", metavar="TEMPLATE")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "Weights and KV-cache dtype; auto takes the checkpoint's declared dtype (a GGUF "
-        "file: its float type, bfloat16 when quantized).")
+        "file: its float type, bfloat16 when quantized), float32 on a CPU without native matmuls "
+        "for a declared bfloat16 or float16.")
     device: Annotated[str, AfterValidator(_device)] = option(
         "auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
     seed: int = option(0, "Seed for weight-independent randomness (sampling without a per-request seed).")

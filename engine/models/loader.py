@@ -35,12 +35,13 @@ def load_model(
     path: str | os.PathLike[str], dtype: str | torch.dtype, device: torch.device | str
 ) -> tuple[CausalLM, ModelSpec]:
     """Build our model for the checkpoint at `path` (a directory or a .gguf file) and
-    fill its weights. `dtype` may be "auto": the dtype the checkpoint declares."""
+    fill its weights. `dtype` may be "auto": the dtype the checkpoint declares, or float32
+    on a CPU without native matmuls for it (`resolve_dtype`)."""
     path = os.fspath(path)
     if is_gguf(path):
         return _load_gguf(path, dtype, torch.device(device))
     config = read_config(path)
-    dtype = resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config, device)
     args = args_from_config(config)
     files = weight_files(path)
     model = CausalLM(args, dtype, torch.device(device))
@@ -55,7 +56,7 @@ def _load_gguf(
 ) -> tuple[CausalLM, ModelSpec]:
     checkpoint = GGUFCheckpoint(path)
     config = SimpleNamespace(**checkpoint.config)
-    dtype = resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config, device)
     args = args_from_config(config)
     model = CausalLM(args, dtype, device)
     load_weights(model, checkpoint.dequantized(dtype))

@@ -39,12 +39,17 @@ class ModelSpec:
     weights_digest: str  # xxh3-128 hex over the safetensors files
 
 
-def resolve_dtype(name: str | torch.dtype, spec_or_config: Any = None) -> torch.dtype:
+def resolve_dtype(
+    name: str | torch.dtype, spec_or_config: Any = None, device: torch.device | str | None = None
+) -> torch.dtype:
     """The torch dtype for `--dtype NAME`.
 
-    "auto" takes the dtype the checkpoint's config declares (bf16 stays bf16, also on CPU)
-    and falls back to float32 when it declares none. `spec_or_config` may be a
-    `ModelSpec`, a transformers config, a config dict, or a checkpoint directory.
+    "auto" takes the dtype the checkpoint's config declares and falls back to float32 when
+    it declares none. On a CPU `device` a declared bfloat16 or float16 becomes float32
+    where the CPU has no native matmul for it (no AVX512-BF16/AMX, say): there oneDNN
+    emulates the half dtype, a prefill's matmuls run about 10x slower than in float32,
+    and decode is slower too. `spec_or_config` may be a `ModelSpec`, a transformers
+    config, a config dict, or a checkpoint directory.
     """
     if isinstance(name, torch.dtype):
         return name
@@ -54,7 +59,19 @@ def resolve_dtype(name: str | torch.dtype, spec_or_config: Any = None) -> torch.
             raise ValueError(f"unknown dtype {name!r}; expected auto or one of {', '.join(DTYPES)}")
         return DTYPES[key]
     declared = config_dtype_name(spec_or_config)
-    return DTYPES.get(declared, torch.float32) if declared else torch.float32
+    dtype = DTYPES.get(declared, torch.float32) if declared else torch.float32
+    if device is not None and torch.device(device).type == "cpu" and not cpu_has_native_matmul(dtype):
+        return torch.float32
+    return dtype
+
+
+def cpu_has_native_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs `dtype` matmuls natively (oneDNN's own probe; float32 always)."""
+    if dtype == torch.bfloat16:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
 
 
 def config_dtype_name(source: Any) -> str | None:

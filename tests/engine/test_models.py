@@ -17,6 +17,7 @@ from engine.models import (
     load_model,
     resolve_dtype,
 )
+from engine.models import spec as spec_module
 from engine.models.layers import Linear
 from engine.random_model import make_model
 from kernels.metadata import AttentionMetadata
@@ -274,6 +275,23 @@ def test_resolve_dtype(checkpoint, tmp_path):
     assert resolve_dtype("auto", spec) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", path)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_a_cpu_is_float32_where_half_matmuls_are_emulated(monkeypatch, native):
+    monkeypatch.setattr(spec_module, "cpu_has_native_matmul", lambda dtype: native)
+    declared = {"torch_dtype": "bfloat16"}
+    assert resolve_dtype("auto", declared, "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}, torch.device("cpu")) == (
+        torch.float16 if native else torch.float32)
+    assert resolve_dtype("bfloat16", declared, "cpu") == torch.bfloat16, "an explicit dtype is kept"
+    assert resolve_dtype("auto", declared, "meta") == torch.bfloat16, "only a CPU device is probed"
+
+
+def test_an_auto_dtype_model_on_this_cpu_loads_in_what_it_runs_natively(tiny_model_factory):
+    model, _ = load_model(tiny_model_factory("llama", dtype="bfloat16"), "auto", "cpu")
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert next(model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
 
 
 def test_sliding_window_limits_context(tiny_model_factory):
