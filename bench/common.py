@@ -11,6 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
+from engine.models.spec import cpu_has_native_matmul
+
 DEFAULT_RESULTS_DIR = Path("bench/results")
 _results_dir = DEFAULT_RESULTS_DIR
 
@@ -38,6 +42,21 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--dtype of a workload's engines; `auto` is bfloat16 where this CPU multiplies it
+    natively and float32 where oneDNN would emulate it (about 10x slower), as the engine's
+    own auto picks for the built-in model. Results record the dtype the run used."""
+    parser.add_argument("--dtype", default="auto", type=_bench_dtype,
+                        help="auto (default: bfloat16 with native bf16 matmuls, else float32), "
+                             "float32, bfloat16 or float16.")
+
+
+def _bench_dtype(name: str) -> str:
+    if name != "auto":
+        return name
+    return "bfloat16" if cpu_has_native_matmul(torch.bfloat16) else "float32"
 
 
 def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None,

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from bench.common import parse_with_smoke
+from bench.common import add_dtype_arg, parse_with_smoke
 from bench.console import progress
 from bench.text_corpus import passage_tokens
 from engine import LLM, SamplingParams
@@ -91,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser, num_kv_blocks: int, max_num
                     max_num_batched_tokens: int = 2048) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Checkpoint directory (default: the built-in model).")
-    g.add_argument("--dtype", default="bfloat16")
+    add_dtype_arg(g)
     g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks,
                    help=f"Device KV pool in 16-token blocks (default {num_kv_blocks}).")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench import plots
-from bench.common import markdown_table, parse_with_smoke, percentile
+from bench.common import add_dtype_arg, markdown_table, parse_with_smoke, percentile
 from bench.kv_common import (
     STORE_CONFIGS,
     delta,
@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench long-doc-qa", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Checkpoint directory (default: the built-in model).")
-    p.add_argument("--dtype", default="bfloat16")
+    add_dtype_arg(p)
     p.add_argument("--num-docs", type=int, default=10)
     p.add_argument("--doc-tokens", type=int, default=5000)
     p.add_argument("--question-tokens", type=int, default=16)

@@ -25,7 +25,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import machine_info, markdown_table, median, percentile, write_result
+from bench.common import (
+    add_dtype_arg,
+    machine_info,
+    markdown_table,
+    median,
+    percentile,
+    write_result,
+)
 from bench.console import echo
 from bench.driver import Record, Run
 from bench.profiling import profile_sentence
@@ -168,7 +175,7 @@ def workload_parser(name: str, doc: str | None, profiled: str) -> argparse.Argum
     p = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Checkpoint directory (default: the built-in model).")
-    p.add_argument("--dtype", default="bfloat16")
+    add_dtype_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help=f"Skip the torch.profiler run of {profiled}.")
