@@ -73,20 +73,3 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 rms_norm = _Fused(eager_rms_norm)
 rotary = _Fused(_rotary)
 silu_and_mul = _Fused(eager_silu_and_mul)
-
-
-def warm_up(model: torch.nn.Module) -> None:
-    """Compile the fused forms for `model`'s dtype and shapes now (seconds), so that the
-    first large step does not pay for it."""
-    args = model.args
-    weight = next(model.parameters())
-    like = {"dtype": weight.dtype, "device": weight.device}
-    tokens = MIN_FUSED_TOKENS
-    with torch.inference_mode():
-        rms_norm(torch.zeros(tokens, args.hidden_size, **like), torch.ones(args.hidden_size, **like), 1e-6)
-        if args.qk_norm:
-            heads = torch.zeros(tokens, args.num_heads, args.head_dim, **like)
-            rms_norm(heads, torch.ones(args.head_dim, **like), 1e-6)
-        half = torch.zeros(tokens, 1, args.head_dim // 2, **like)
-        rotary(torch.zeros(tokens, args.num_heads + args.num_kv_heads, args.head_dim, **like), half, half)
-        silu_and_mul(torch.zeros(tokens, 2 * args.intermediate_size, **like))

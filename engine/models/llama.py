@@ -148,11 +148,29 @@ class CausalLM(nn.Module):
     def fuse_large_steps(self) -> None:
         """Run the elementwise chains of steps of MIN_FUSED_TOKENS or more fused (CPU only:
         on CUDA the compiled kernels would be Triton ones, not tested here); compiles them
-        now."""
-        if next(self.parameters()).device.type != "cpu":
+        now, in one forward of a large step into a scratch cache, so that each compiled
+        form meets the very inputs of a real step (parameters, strided views of the QKV
+        projection, eps) and the first large request compiles nothing."""
+        weight = next(self.parameters())
+        if weight.device.type != "cpu":
             return
-        fused_ops.warm_up(self)
         self.model.fuse_large_steps = True
+        # One more than the threshold: a token count equal to a model dimension (256 is
+        # common) would make dynamo tie the two sizes together and compile again later.
+        tokens, block_size = fused_ops.MIN_FUSED_TOKENS + 1, 16
+        blocks = -(-tokens // block_size)
+        args = self.args
+        kv_cache = torch.zeros(blocks, args.num_layers, 2, block_size, args.num_kv_heads, args.head_dim,
+                               dtype=weight.dtype)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32),
+            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            slot_mapping=torch.arange(tokens),
+            query_lens_cpu=[tokens], seq_lens_cpu=[tokens], max_query_len=tokens, max_seq_len=tokens,
+        )
+        with torch.inference_mode():
+            self(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), kv_cache, meta)
 
     def pack_weights(self) -> bool:
         """Pack every projection's weight for CPU matmuls (layers.pack_weight) once the

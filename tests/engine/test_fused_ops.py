@@ -68,6 +68,22 @@ def test_a_fused_forward_matches_transformers(tiny_model_factory, counted, archi
                      "silu_and_mul": spec.num_layers}
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@torch.inference_mode()
+def test_the_first_large_step_compiles_nothing_after_the_warm_up(tiny_model_factory, architecture):
+    path = tiny_model_factory(architecture)
+    model, spec = load_model(path, torch.float32, torch.device("cpu"))
+    torch._dynamo.reset()  # forget what earlier tests compiled: the warm-up alone must cover a step
+    model.fuse_large_steps()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    prompt = torch.randint(3, spec.vocab_size, (2 * LONG,), generator=torch.Generator().manual_seed(4))
+    kv_cache = torch.zeros(-(-2 * LONG // BLOCK_SIZE), spec.num_layers, 2, BLOCK_SIZE, spec.num_kv_heads,
+                           spec.head_dim)
+    model(prompt, torch.arange(2 * LONG), kv_cache, one_sequence_meta(2 * LONG))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_small_steps_and_unfused_engines_run_eager(tiny_model_factory, counted):
     path = tiny_model_factory("llama")
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
