@@ -41,7 +41,7 @@ def load_model(
     if is_gguf(path):
         return _load_gguf(path, dtype, torch.device(device))
     config = read_config(path)
-    dtype = resolve_dtype(dtype, config, device)
+    dtype = _model_dtype(dtype, config, device)
     args = args_from_config(config)
     files = weight_files(path)
     model = CausalLM(args, dtype, torch.device(device))
@@ -56,12 +56,23 @@ def _load_gguf(
 ) -> tuple[CausalLM, ModelSpec]:
     checkpoint = GGUFCheckpoint(path)
     config = SimpleNamespace(**checkpoint.config)
-    dtype = resolve_dtype(dtype, config, device)
+    dtype = _model_dtype(dtype, config, device)
     args = args_from_config(config)
     model = CausalLM(args, dtype, device)
     load_weights(model, checkpoint.dequantized(dtype))
     model.eval()
     return model, _spec(path, config, {}, args, weights_digest([path]))
+
+
+def _model_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    """`resolve_dtype` on `device`, saying so when auto set the declared dtype aside."""
+    resolved = resolve_dtype(dtype, config, device)
+    declared = resolve_dtype(dtype, config)
+    if resolved != declared:
+        name = str(declared).removeprefix("torch.")
+        logger.info("--dtype auto: float32 rather than the declared %s, which this CPU has no native "
+                    "matmuls for (--dtype %s forces it)", name, name)
+    return resolved
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:

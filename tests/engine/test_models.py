@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -286,6 +287,14 @@ def test_auto_dtype_on_a_cpu_is_float32_where_half_matmuls_are_emulated(monkeypa
         torch.float16 if native else torch.float32)
     assert resolve_dtype("bfloat16", declared, "cpu") == torch.bfloat16, "an explicit dtype is kept"
     assert resolve_dtype("auto", declared, "meta") == torch.bfloat16, "only a CPU device is probed"
+
+
+def test_auto_setting_the_declared_dtype_aside_is_logged(tiny_model_factory, monkeypatch, caplog):
+    monkeypatch.setattr(spec_module, "cpu_has_native_matmul", lambda dtype: dtype == torch.float32)
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        model, _ = load_model(tiny_model_factory("llama", dtype="bfloat16"), "auto", "cpu")
+    assert next(model.parameters()).dtype == torch.float32
+    assert "float32 rather than the declared bfloat16" in caplog.text and "--dtype bfloat16" in caplog.text
 
 
 def test_an_auto_dtype_model_on_this_cpu_loads_in_what_it_runs_natively(tiny_model_factory):
