@@ -11,9 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
-from engine.models.spec import cpu_has_native_matmul
+from engine.models import resolve_dtype
 
 DEFAULT_RESULTS_DIR = Path("bench/results")
 _results_dir = DEFAULT_RESULTS_DIR
@@ -56,7 +54,7 @@ def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 def _bench_dtype(name: str) -> str:
     if name != "auto":
         return name
-    return "bfloat16" if cpu_has_native_matmul(torch.bfloat16) else "float32"
+    return str(resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu")).removeprefix("torch.")
 
 
 def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None,

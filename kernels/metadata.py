@@ -28,6 +28,19 @@ class AttentionMetadata:
     # (index tensors, masks), keyed by the kernel; built on first use.
     derived: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def one_prefill(cls, length: int, block_size: int) -> AttentionMetadata:
+        """One sequence of `length` new tokens, nothing cached, in blocks 0, 1, ... of a
+        cache of `block_size`-token blocks (on CPU)."""
+        blocks = -(-length // block_size)
+        return cls(
+            query_start_loc=torch.tensor([0, length], dtype=torch.int32),
+            seq_lens=torch.tensor([length], dtype=torch.int32),
+            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            slot_mapping=torch.arange(length),
+            query_lens_cpu=[length], seq_lens_cpu=[length], max_query_len=length, max_seq_len=length,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -162,13 +162,7 @@ class CausalLM(nn.Module):
         args = self.args
         kv_cache = torch.zeros(blocks, args.num_layers, 2, block_size, args.num_kv_heads, args.head_dim,
                                dtype=weight.dtype)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32),
-            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            slot_mapping=torch.arange(tokens),
-            query_lens_cpu=[tokens], seq_lens_cpu=[tokens], max_query_len=tokens, max_seq_len=tokens,
-        )
+        meta = AttentionMetadata.one_prefill(tokens, block_size)
         with torch.inference_mode():
             self(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), kv_cache, meta)
 

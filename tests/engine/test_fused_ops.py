@@ -35,20 +35,6 @@ def counted(monkeypatch):
     return ops
 
 
-def one_sequence_meta(length: int) -> AttentionMetadata:
-    blocks = -(-length // BLOCK_SIZE)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor([0, length], dtype=torch.int32),
-        seq_lens=torch.tensor([length], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(length),
-        query_lens_cpu=[length],
-        seq_lens_cpu=[length],
-        max_query_len=length,
-        max_seq_len=length,
-    )
-
-
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])  # qwen3: q/k norms over heads
 @torch.inference_mode()
 def test_a_fused_forward_matches_transformers(tiny_model_factory, counted, architecture):
@@ -59,7 +45,7 @@ def test_a_fused_forward_matches_transformers(tiny_model_factory, counted, archi
     prompt = torch.randint(3, spec.vocab_size, (LONG,), generator=torch.Generator().manual_seed(3))
     kv_cache = torch.zeros(-(-LONG // BLOCK_SIZE), spec.num_layers, 2, BLOCK_SIZE, spec.num_kv_heads,
                            spec.head_dim)
-    logits = model.compute_logits(model(prompt, torch.arange(LONG), kv_cache, one_sequence_meta(LONG)))
+    logits = model.compute_logits(model(prompt, torch.arange(LONG), kv_cache, AttentionMetadata.one_prefill(LONG, BLOCK_SIZE)))
     expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(prompt[None]).logits[0]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     per_layer_norms = 2 + 2 * (architecture == "qwen3")
@@ -80,7 +66,7 @@ def test_the_first_large_step_compiles_nothing_after_the_warm_up(tiny_model_fact
     prompt = torch.randint(3, spec.vocab_size, (2 * LONG,), generator=torch.Generator().manual_seed(4))
     kv_cache = torch.zeros(-(-2 * LONG // BLOCK_SIZE), spec.num_layers, 2, BLOCK_SIZE, spec.num_kv_heads,
                            spec.head_dim)
-    model(prompt, torch.arange(2 * LONG), kv_cache, one_sequence_meta(2 * LONG))
+    model(prompt, torch.arange(2 * LONG), kv_cache, AttentionMetadata.one_prefill(2 * LONG, BLOCK_SIZE))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
