@@ -238,8 +238,9 @@ class SchedulerOptions(Options):
         True, "On CPU, run the RMSNorm, rotary and SiLU-and-mul of steps of 256 or more tokens "
         "as one fused pass each (compiled by torch.compile at start: about 20 s the first time on "
         "a 2-core machine, seconds once inductor's cache holds them); --no-fuse-elementwise: eager ops only.")
-    attention_backend: Literal["auto", "torch", "triton"] = option(
-        "auto", "auto (Triton on CUDA, torch elsewhere), torch or triton.")
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = option(
+        "auto", "auto (Triton on CUDA; on CPU the C++ kernels, built at first use, or torch where "
+        "they do not build), torch, triton or cpu.")
     kv_blend_recompute_ratio: Annotated[float, Field(ge=0, le=1)] = option(
         0.15, "Blended (segmented) prompts: the fraction of the tokens with stored segment KV "
         "that is recomputed in context (0: none, 1: a full prefill).", metavar="RATIO")

@@ -1,8 +1,10 @@
-"""Paged attention, KV write and block gather/scatter behind one dispatch.
+"""Paged attention, KV write, RMSNorm and block gather/scatter behind one dispatch.
 
-`auto` (the default) runs the Triton kernels on CUDA tensors and the torch reference
-everywhere else. `set_backend` / `use_backend` force one (tests force `triton` on CPU
-tensors under `TRITON_INTERPRET=1`). Triton is imported only when a Triton kernel runs.
+`auto` (the default) runs the Triton kernels on CUDA tensors, the C++ kernels of
+`kernels/cpu.py` on CPU tensors (where they build; the torch reference otherwise) and the
+torch reference for what neither has. `set_backend` / `use_backend` force one (tests force
+`triton` on CPU tensors under `TRITON_INTERPRET=1`, and `torch` or `cpu` to compare the
+two). Triton is imported only when a Triton kernel runs.
 """
 
 from __future__ import annotations
@@ -14,26 +16,29 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu, reference
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "CpuKernelsUnavailableError",
     "gather_blocks",
     "get_backend",
     "paged_attention",
+    "rms_norm",
     "scatter_blocks",
     "set_backend",
     "use_backend",
     "write_kv",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 _backend = "auto"
 
 
 def set_backend(name: str) -> None:
-    """Choose "auto" (Triton on CUDA tensors, torch elsewhere), "torch" or "triton"."""
+    """Choose "auto" (Triton on CUDA tensors, C++ on CPU ones), "torch", "triton" or "cpu"
+    (the C++ kernels, which must build: `CpuKernelsUnavailableError` if they did not)."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
@@ -58,8 +63,24 @@ def use_backend(name: str) -> Iterator[None]:
 _triton_modules: dict[str, ModuleType] = {}
 
 
+class CpuKernelsUnavailableError(RuntimeError):
+    """The `cpu` backend was asked for, and its C++ kernels did not build."""
+
+
+def _runs_cpu_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the C++ CPU kernels serve `tensor` under the current backend."""
+    if _backend == "cpu":
+        if not cpu.available():
+            raise CpuKernelsUnavailableError("the C++ CPU kernels did not build (see the warning logged)")
+        return True
+    return _backend == "auto" and tensor.device.type == "cpu" and cpu.available()
+
+
 def _impl(tensor: torch.Tensor, triton_module: str) -> ModuleType:
-    """The torch reference, or the Triton module (imported on first use) if it applies."""
+    """The module that runs this kernel on `tensor`: the C++ CPU kernels, the torch
+    reference, or the Triton module (imported on first use)."""
+    if _runs_cpu_kernels(tensor):
+        return cpu
     if _backend == "torch" or (_backend == "auto" and not tensor.is_cuda):
         return reference
     module = _triton_modules.get(triton_module)
@@ -83,11 +104,23 @@ def paged_attention(
     return _impl(kv_layer, "triton_attention").paged_attention(query, kv_layer, meta, scale)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, rounded to x's dtype before the weight's scale, as transformers
+    computes it (the Triton backend has none: the reference runs there)."""
+    return (cpu if _runs_cpu_kernels(x) else reference).rms_norm(x, weight, eps)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
     """`out[j] = kv_cache[block_ids[j]]` for the whole block (all layers, K and V)."""
-    _impl(kv_cache, "triton_kv_ops").gather_blocks(kv_cache, block_ids, out)
+    _block_copies(kv_cache).gather_blocks(kv_cache, block_ids, out)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """`kv_cache[block_ids[j]] = src[j]` for the whole block (all layers, K and V)."""
-    _impl(kv_cache, "triton_kv_ops").scatter_blocks(kv_cache, block_ids, src)
+    _block_copies(kv_cache).scatter_blocks(kv_cache, block_ids, src)
+
+
+def _block_copies(kv_cache: torch.Tensor) -> ModuleType:
+    """Whole-block copies are one index_select / index_copy_ on CPU: the reference's."""
+    module = _impl(kv_cache, "triton_kv_ops")
+    return reference if module is cpu else module

@@ -54,10 +54,25 @@ def paged_attention(
     out = query.new_empty(query.shape)
     if plan.decodes is not None:
         _decode_batch(query, kv_layer, plan.decodes, scale, out)
+    _prefills(query, kv_layer, plan, scale, out)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The rows of the sequences with several new tokens (prefill chunks) of
+    `paged_attention`, written into `out`; the other rows are left as they are."""
+    _prefills(query, kv_layer, _step_plan(meta, kv_layer.shape[2], query.device), scale, out)
+
+
+def _prefills(
+    query: torch.Tensor, kv_layer: torch.Tensor, plan: _StepPlan, scale: float, out: torch.Tensor
+) -> None:
     for rows, ctx_len, block_ids in plan.prefills:
         k, v = _gather_context(kv_layer, block_ids, ctx_len)
         causal_attention(query[rows], k, v, scale, out[rows])
-    return out
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,12 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
             block_ids = meta.block_tables[i, : -(-ctx_len // block_size)]
             prefills.append((slice(starts[i], starts[i] + q_len), ctx_len, block_ids))
     return _StepPlan(decodes, prefills)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, exactly like transformers
+    (F.rms_norm in fp32 is bit-identical to its pow/mean/rsqrt, in one call)."""
+    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype).mul_(weight)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -6,11 +6,13 @@ products and two sums over the halves of each head) and SiLU-and-mul are memory-
 chains of eager ops, each op a pass over the step's activations: a 2,048-token chunk's
 activations do not stay in cache between them. Inductor turns each chain into one loop.
 Small steps (decode) keep the eager ops, where a compiled call's guard checks cost more
-than the passes they would save.
+than the passes they would save (their RMSNorm is the one-pass C++ kernel of
+`kernels.rms_norm` where it builds).
 
-RMSNorm and SiLU-and-mul are compiled from their eager forms here, which the unfused
-path runs. Rotary has a form of its own: the eager `rope.apply_rotary` writes into the
-halves of its result with `out=`, which Dynamo cannot trace.
+RMSNorm is compiled from the torch reference's form (`kernels.reference.rms_norm`),
+SiLU-and-mul from its eager form here, which the unfused path runs. Rotary has a form of
+its own: the eager `rope.apply_rotary` writes into the halves of its result with `out=`,
+which Dynamo cannot trace.
 
 A function that fails to compile (no C++ compiler, say) falls back to its eager form for
 the rest of the process, with one warning; the results are the same either way up to
@@ -24,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels import reference
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +56,6 @@ class _Fused:
             return self.eager(*args)
 
 
-def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight, exactly like transformers
-    (F.rms_norm in fp32 is bit-identical to its pow/mean/rsqrt, in one call)."""
-    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype).mul_(weight)
-
-
 def eager_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused `[..., 2 * intermediate]` gate/up projection output."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -70,6 +68,6 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-rms_norm = _Fused(eager_rms_norm)
+rms_norm = _Fused(reference.rms_norm)
 rotary = _Fused(_rotary)
 silu_and_mul = _Fused(eager_silu_and_mul)

@@ -1,0 +1,136 @@
+"""The C++ CPU kernels (kernels/cpu.py) against the naive fp32 oracle and the torch
+reference, and the dispatch that picks them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu, reference
+from tests.kernels.paged_batch import make_batch, naive_attention
+
+# (query_len, seq_len) per sequence: decodes over contexts that end inside a block, on a
+# block boundary, and span several of the kernel's 128-token partitions, beside prefills.
+DECODES = [(1, 1), (1, 16), (1, 17), (1, 129), (1, 300), (1, 1000)]
+MIXED = [(5, 21), (1, 40), (16, 16), (1, 7), (9, 33), (1, 300)]
+
+
+def test_the_kernels_build_on_this_machine():
+    # CI's machines have a C++ compiler: a failed build there is a bug, not a fallback.
+    assert cpu.available()
+
+
+@pytest.mark.parametrize("shapes", [DECODES, MIXED], ids=["decodes", "mixed"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 128), (8, 1, 64), (10, 2, 64), (6, 2, 80)],
+    ids=["group3-d64", "group1-d128", "group8-d64", "group5-generic", "d80-generic"],
+)
+def test_attention_matches_naive(shapes, heads, kv_heads, head_dim):
+    batch = make_batch(shapes, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    scale = head_dim**-0.5
+    out = cpu.paged_attention(batch.query, batch.kv_layer, batch.meta, scale)
+    torch.testing.assert_close(out, naive_attention(batch, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_low_precision_matches_the_reference(dtype):
+    batch = make_batch(DECODES, heads=9, kv_heads=3, dtype=dtype)
+    out = cpu.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    assert out.dtype == dtype
+    expected = reference.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), naive_attention(batch, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_attention_reads_a_strided_query_and_layer_view():
+    # As the model calls it: the query a slice of the fused QK rows, one layer of the cache.
+    batch = make_batch(MIXED, heads=4, kv_heads=2)
+    num_tokens = batch.query.shape[0]
+    qk = torch.randn(num_tokens, 6, 64)
+    qk[:, :4] = batch.query
+    cache = torch.randn(batch.kv_layer.shape[0], 3, *batch.kv_layer.shape[1:])
+    cache[:, 1] = batch.kv_layer
+    out = cpu.paged_attention(qk[:, :4], cache[:, 1], batch.meta, 0.125)
+    torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_the_reference(dtype):
+    cache = torch.randn(6, 3, 2, 4, 2, 8).to(dtype)
+    expected = cache.clone()
+    key, value = torch.randn(5, 2, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
+    key[0, 1, 3], value[2, 0, 0], value[4, 1, 7] = float("nan"), float("inf"), float("-inf")
+    slots = torch.tensor([5, 13, -1, 0, 23])
+    cpu.write_kv(cache[:, 1], key, value, slots)
+    reference.write_kv(expected[:, 1], key, value, slots)
+    assert torch.equal(cache, expected)
+    assert torch.isfinite(cache).all()
+
+
+def test_write_kv_casts_to_the_cache_dtype():
+    cache = torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16)
+    key = torch.randn(1, 1, 8)
+    cpu.write_kv(cache, key, -key, torch.tensor([6]))
+    assert torch.equal(cache[1, 0, 2], key[0].to(torch.bfloat16))
+    assert torch.equal(cache[1, 1, 2], (-key[0]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_equals_the_reference(dtype):
+    x = torch.randn(7, 576).to(dtype) * 3
+    weight = torch.randn(576).to(dtype)
+    out = cpu.rms_norm(x, weight, 1e-5)
+    expected = reference.rms_norm(x, weight, 1e-5)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:  # the sum of squares in another order: at most one rounding step apart
+        torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2 ** -7)
+
+
+def test_rms_norm_of_a_strided_head_view_runs_the_reference():
+    x = torch.randn(5, 6, 64)[:, 2:4]  # Qwen3's per-head norm of a slice of heads
+    weight = torch.randn(64)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+
+
+def test_auto_dispatches_cpu_tensors_to_the_cpp_kernels(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "write_kv", lambda *args: calls.append("cpu"))
+    monkeypatch.setattr(reference, "write_kv", lambda *args: calls.append("torch"))
+    args = (torch.zeros(1, 2, 4, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.tensor([0]))
+    kernels.write_kv(*args)
+    with kernels.use_backend("torch"):
+        kernels.write_kv(*args)
+    assert calls == ["cpu", "torch"]
+
+
+def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog):
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension 'kvtier_cpu'\nc++: error: no such file\nninja: stopped")
+
+    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu"):
+        assert not cpu.available()
+        assert not cpu.available()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the C++ CPU kernels could not be built (c++: error: no such file); running the torch reference kernels"
+    ]
+    batch = make_batch(MIXED)
+    out = kernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
+    with kernels.use_backend("cpu"), pytest.raises(kernels.CpuKernelsUnavailableError):
+        kernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+
+
+def test_the_build_directory_names_source_flags_torch_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTIER_EXTENSIONS_DIR", str(tmp_path))
+    first = cpu.build_directory()
+    assert first.parent == tmp_path
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "sse2")
+    assert cpu.build_directory() != first
