@@ -18,7 +18,7 @@ from bench.driver import greedy
 from engine import LLM
 
 MATMUL = "matmul (linear layers, QK^T, PV)"
-ATTENTION = "attention softmax and masking"
+ATTENTION = "attention kernels (flash, paged decode), softmax, masking"
 COPIES = "KV and activation copies"
 OTHER = "other torch ops"
 HOST = "host (Python: scheduler, batch building, sampling glue)"
@@ -28,12 +28,12 @@ _EXACT = {
     "aten::_softmax": ATTENTION, "aten::masked_fill_": ATTENTION, "aten::triu_": ATTENTION,
     "aten::copy_": COPIES, "aten::index_select": COPIES, "aten::index_copy_": COPIES,
     "aten::index_put_": COPIES, "aten::_index_put_impl_": COPIES, "aten::cat": COPIES,
-    "aten::clone": COPIES,
+    "aten::clone": COPIES, "kvtier_cpu::write_kv": COPIES,
 }
 
 
 def category(op: str) -> str:
-    if "scaled_dot_product" in op:
+    if "scaled_dot_product" in op or op == "kvtier_cpu::decode_attention":
         return ATTENTION
     return _EXACT.get(op, OTHER)
 

@@ -1,8 +1,8 @@
 """The C++ CPU kernels (`cpu_ops.cpp`): decode attention straight from the paged cache,
 the KV write and RMSNorm, each one pass in one call.
 
-Built with the machine's C++ compiler the first time a process needs them (about 10 s)
-and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
+Built with the machine's C++ compiler the first time a process needs them (`make
+install` builds them: `python -m kernels`; about 30 s on 2 cores) and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
 named by a digest of the source, the compiler flags, the torch version and the CPU's
 instruction sets, since the build is tuned to the CPU it runs on (`-march=native`). A
 build that fails (no compiler, say) logs one warning and `available()` is False from
@@ -142,3 +142,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
         return reference.rms_norm(x, weight, eps)
     return torch.ops.kvtier_cpu.rms_norm(x, weight, eps)
+

@@ -21,6 +21,12 @@
 #include <limits>
 #include <vector>
 
+// The dtypes a model runs in (no double: fewer instantiations to compile).
+#define KVTIER_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)      \
+                             AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__))
+
 namespace {
 
 constexpr int64_t kLanes = 16;           // fp32 lanes of one accumulator (one AVX-512 register)
@@ -308,9 +314,27 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
                   block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
               "query_start_loc, seq_lens and block_tables must be int32 (block_tables row-major)");
   TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous(), "lengths must be contiguous");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_layer.scalar_type(), "decode_attention", [&] {
+  KVTIER_DISPATCH_MODEL_TYPES(kv_layer.scalar_type(), "decode_attention", [&] {
     dispatch_decode_attention<scalar_t>(out, query, kv_layer, query_start_loc, seq_lens, block_tables, scale);
   });
+}
+
+// dst[d] = src[d], or +0 where src[d] is NaN or infinite (all exponent bits set), on the
+// raw bits so that the loop vectorizes.
+template <typename Bits, Bits kExponent>
+inline void copy_finite_bits(const void* src, void* dst, int64_t n) {
+  const Bits* from = static_cast<const Bits*>(src);
+  Bits* to = static_cast<Bits*>(dst);
+  for (int64_t d = 0; d < n; ++d) to[d] = (from[d] & kExponent) == kExponent ? Bits(0) : from[d];
+}
+inline void copy_finite(const float* src, float* dst, int64_t n) {
+  copy_finite_bits<uint32_t, 0x7f800000u>(src, dst, n);
+}
+inline void copy_finite(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n) {
+  copy_finite_bits<uint16_t, 0x7f80u>(src, dst, n);
+}
+inline void copy_finite(const c10::Half* src, c10::Half* dst, int64_t n) {
+  copy_finite_bits<uint16_t, 0x7c00u>(src, dst, n);
 }
 
 template <typename T>
@@ -322,20 +346,21 @@ void write_kv_kernel(at::Tensor& kv_layer, const at::Tensor& key, const at::Tens
   T* kv_base = kv_layer.data_ptr<T>();
   const int64_t kv_block = kv_layer.stride(0), kv_side = kv_layer.stride(1);
   const int64_t kv_slot = kv_layer.stride(2), kv_head_stride = kv_layer.stride(3);
-  const at::Tensor* sources[2] = {&key, &value};
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  const T* sources[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
+  const int64_t token_strides[2] = {key.stride(0), value.stride(0)};
+  const int64_t head_strides[2] = {key.stride(1), value.stride(1)};
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;
+      T* slot_base = kv_base + (slot / block_size) * kv_block + (slot % block_size) * kv_slot;
       for (int64_t side = 0; side < 2; ++side) {
-        const at::Tensor& src = *sources[side];
-        const T* from = src.data_ptr<T>() + t * src.stride(0);
-        T* to = kv_base + (slot / block_size) * kv_block + side * kv_side + (slot % block_size) * kv_slot;
+        const T* from = sources[side] + t * token_strides[side];
+        T* to = slot_base + side * kv_side;
         for (int64_t h = 0; h < kv_heads; ++h) {
-          for (int64_t d = 0; d < head_dim; ++d) {
-            const T x = from[h * src.stride(1) + d];
-            to[h * kv_head_stride + d] = std::isfinite(to_float(x)) ? x : T(0);
-          }
+          const T* src = from + h * head_strides[side];
+          T* dst = to + h * kv_head_stride;
+          copy_finite(src, dst, head_dim);
         }
       }
     }
@@ -356,7 +381,7 @@ void write_kv(at::Tensor kv_layer, const at::Tensor& key, const at::Tensor& valu
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0),
               "slot_mapping must be int64 with one slot per token");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_layer.scalar_type(), "write_kv", [&] {
+  KVTIER_DISPATCH_MODEL_TYPES(kv_layer.scalar_type(), "write_kv", [&] {
     write_kv_kernel<scalar_t>(kv_layer, key, value, slot_mapping);
   });
 }
@@ -401,7 +426,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                   weight.scalar_type() == x.scalar_type(),
               "weight must be a contiguous [size] of x's dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  KVTIER_DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_kernel<scalar_t>(out, x, weight, eps);
   });
   return out;

@@ -4,6 +4,10 @@ reference, and the dispatch that picks them."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import kernels
 from kernels import cpu, reference
 from tests.kernels.paged_batch import make_batch, naive_attention
 
+ROOT = Path(__file__).resolve().parents[2]
 # (query_len, seq_len) per sequence: decodes over contexts that end inside a block, on a
 # block boundary, and span several of the kernel's 128-token partitions, beside prefills.
 DECODES = [(1, 1), (1, 16), (1, 17), (1, 129), (1, 300), (1, 1000)]
@@ -109,10 +114,11 @@ def test_auto_dispatches_cpu_tensors_to_the_cpp_kernels(monkeypatch):
     assert calls == ["cpu", "torch"]
 
 
-def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog):
+def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog, tmp_path):
     def no_compiler(**kwargs):
         raise RuntimeError("Error building extension 'kvtier_cpu'\nc++: error: no such file\nninja: stopped")
 
+    monkeypatch.setenv("KVTIER_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     with caplog.at_level(logging.WARNING, logger="kernels.cpu"):
@@ -134,3 +140,28 @@ def test_the_build_directory_names_source_flags_torch_and_cpu(monkeypatch, tmp_p
     assert first.parent == tmp_path
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: "sse2")
     assert cpu.build_directory() != first
+
+
+BUILD_AND_RUN = """
+from kernels import cpu
+from tests.kernels.paged_batch import make_batch, naive_attention
+import torch
+assert cpu.available()
+batch = make_batch([(1, 40), (3, 9)])
+out = cpu.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
+"""
+
+
+@pytest.mark.slow
+def test_processes_that_start_together_each_get_the_kernels(tmp_path):
+    # Each builds in a folder of its own and renames it into place: no shared lock file
+    # for a killed build to leave behind, and the loser of the rename keeps its own load.
+    env = {**os.environ, "KVTIER_EXTENSIONS_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_AND_RUN], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    built = list(tmp_path.iterdir())
+    assert [d.name.startswith("kvtier_cpu_") and ".build-" not in d.name for d in built] == [True]
+    assert (built[0] / cpu.LIBRARY).exists()
