@@ -22,6 +22,7 @@ from kernels.metadata import AttentionMetadata
 __all__ = [
     "AttentionMetadata",
     "CpuKernelsUnavailableError",
+    "copy_runs",
     "gather_blocks",
     "get_backend",
     "paged_attention",
@@ -108,6 +109,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, rounded to x's dtype before the weight's scale, as transformers
     computes it (the Triton backend has none: the reference runs there)."""
     return (cpu if _runs_cpu_kernels(x) else reference).rms_norm(x, weight, eps)
+
+
+def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dsts[i] = srcs[i]` for contiguous CPU tensors of equal sizes (host slots and
+    device blocks on a CPU engine), the whole batch spread over torch's threads. For the
+    engine thread: from a thread of its own, a torch thread team of its own would
+    oversubscribe the cores (the store's I/O threads copy with `kvstore.host_copy`)."""
+    (cpu if _runs_cpu_kernels(dsts[0]) else reference).copy_runs(dsts, srcs)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

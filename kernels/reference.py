@@ -131,6 +131,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype).mul_(weight)
 
 
+def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dsts[i].copy_(srcs[i])` for each pair of contiguous tensors of equal sizes."""
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
     """Copy blocks `block_ids` of the block-major cache into `out` (record layout)."""
     torch.index_select(kv_cache, 0, block_ids, out=out)

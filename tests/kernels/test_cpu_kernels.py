@@ -165,3 +165,20 @@ def test_processes_that_start_together_each_get_the_kernels(tmp_path):
     built = list(tmp_path.iterdir())
     assert [d.name.startswith("kvtier_cpu_") and ".build-" not in d.name for d in built] == [True]
     assert (built[0] / cpu.LIBRARY).exists()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_copy_runs_copies_every_byte_of_runs_across_thread_pieces(backend):
+    # Runs of uneven sizes, together over several 1 MiB pieces of parallel work, so that
+    # pieces start and end inside runs.
+    sizes = [3, 700_000, 1, 1_300_000, 524_288, 17]
+    srcs = [torch.randint(-1000, 1000, (n,), dtype=torch.int16).to(torch.bfloat16) for n in sizes]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    with kernels.use_backend(backend):
+        kernels.copy_runs(dsts, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
+def test_copy_runs_refuses_runs_of_different_sizes():
+    with pytest.raises(RuntimeError, match="equal sizes"):
+        cpu.copy_runs([torch.zeros(4)], [torch.zeros(5)])
