@@ -1,5 +1,6 @@
 """The C++ CPU kernels (`cpu_ops.cpp`): decode attention straight from the paged cache,
-the KV write and RMSNorm, each one pass in one call.
+the KV write and RMSNorm, each one pass in one call, and a batch of byte copies spread
+over torch's threads.
 
 Built with the machine's C++ compiler the first time a process needs them (`make
 install` builds them: `python -m kernels`; about 30 s on 2 cores) and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
@@ -142,7 +143,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
         return reference.rms_norm(x, weight, eps)
     return torch.ops.kvtier_cpu.rms_norm(x, weight, eps)
-
 
 
 def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

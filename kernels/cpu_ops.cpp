@@ -8,7 +8,8 @@
 // merged by their softmax statistics. write_kv stores a step's new K and V at their
 // slots, non-finite values as 0 (see kernels/reference.py: the padded torch decode
 // relies on every slot being finite). rms_norm is the decoder's RMSNorm in one pass.
-// All accumulation is in fp32.
+// All accumulation is in fp32. copy_runs copies a batch of byte runs (host slots to
+// device blocks on a CPU engine) with the bytes split evenly over the threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
