@@ -12,6 +12,15 @@ Ownership: the request -> stream map is read and written by the engine thread on
 event-loop side only counts admitted requests (for the queue bound) under a lock. A group
 of requests (the prompts of one API call) takes its slots at once with `reserve`, so it
 is admitted whole or not at all.
+
+Lent cores. The engine's torch ops use every core through an OpenMP team. Other CPU work
+in the process (decoding a body of megabytes, tokenizing a long text) takes a core from
+that team in the middle of a parallel region, and every region then waits at its barrier
+for the descheduled member: a decode step of a few tens of milliseconds stretches to
+hundreds, and every stream stalls. So such work borrows a core instead (`lend_core`): the
+engine thread lowers its intra-op threads by one between two steps, says so, and the work
+runs on the freed core while the engine steps on the others; the core goes back when the
+last loan ends.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
@@ -160,7 +170,16 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Call | _Stop
+@dataclass
+class _Lend:
+    """Lend one core more (+1) or take one back (-1); `ack` is settled once applied."""
+
+    delta: int
+    loop: asyncio.AbstractEventLoop | None = None
+    ack: asyncio.Future | None = None
+
+
+_Command = _Add | _Abort | _Call | _Stop | _Lend
 
 
 class AsyncEngine:
@@ -173,7 +192,11 @@ class AsyncEngine:
     per thread that has run a parallel region, and once a process holds more OpenMP
     threads than cores, libgomp's workers stop spinning between regions and sleep, so
     every op then waits for a wake-up (measured: a batch-1 decode step of SmolLM2-135M on
-    2 cores, 44 ms on the thread that loaded the model, 68 ms on another)."""
+    2 cores, 44 ms on the thread that loaded the model, 68 ms on another).
+
+    `intra_op_threads` is the (get, set) pair of the engine's intra-op thread count
+    (torch.get_num_threads, torch.set_num_threads), called on the engine thread only;
+    without it `lend_core` lends nothing."""
 
     def __init__(
         self,
@@ -182,6 +205,7 @@ class AsyncEngine:
         max_pending_requests: int | None = None,
         observer: StepObserver | None = None,
         thread_name: str = "kvtier-engine",
+        intra_op_threads: tuple[Callable[[], int], Callable[[int], None]] | None = None,
     ) -> None:
         self._engine: SyncEngine | None = None if callable(engine) else engine
         self._observer = observer
@@ -195,6 +219,9 @@ class AsyncEngine:
         self._submit_lock = threading.Lock()
         self._error: BaseException | None = None
         self._stats: Mapping[str, Any] = MappingProxyType({})
+        self._intra_op_threads = intra_op_threads
+        self._full_threads = 0  # the engine's own thread count, read on the engine thread
+        self._cores_lent = 0  # loans out; engine thread only
         built = threading.Event()
         build = engine if callable(engine) else None
         self._thread = threading.Thread(target=self._run, args=(build, built), name=thread_name, daemon=True)
@@ -270,6 +297,24 @@ class AsyncEngine:
         self._submit(_Call(fn, loop, future))
         return await future
 
+    @asynccontextmanager
+    async def lend_core(self) -> AsyncIterator[None]:
+        """Borrow one of the engine's cores for CPU-heavy work of the caller's (see the
+        module docstring): entered once the engine steps on one intra-op thread fewer
+        (at its next step boundary; at once when it is idle), left by giving it back. The
+        engine keeps one thread however many loans are out; a closed engine lends nothing
+        and the block runs at once."""
+        loop = asyncio.get_running_loop()
+        ack = loop.create_future()
+        if not self._submit_loan(_Lend(+1, loop, ack)):
+            yield
+            return
+        try:
+            await ack
+            yield
+        finally:
+            self._submit_loan(_Lend(-1))
+
     async def shutdown(self, graceful: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting; if graceful, let in-flight requests finish for up to `timeout`
         seconds; abort the rest and stop the engine thread."""
@@ -299,6 +344,15 @@ class AsyncEngine:
                 return
         if not isinstance(command, _Abort | _Stop):
             raise self._closed_error()
+
+    def _submit_loan(self, command: _Lend) -> bool:
+        """Queue a loan change; False once the engine thread has stopped reading (its
+        threads no longer matter)."""
+        with self._submit_lock:
+            if not self._closed:
+                self._inbox.put(command)
+                return True
+        return False
 
     def reserve(self, count: int) -> Reservation:
         """Take `count` request slots at once, or none: QueueFullError while fewer are
@@ -387,6 +441,20 @@ class AsyncEngine:
             self._abort(command)
         elif isinstance(command, _Call):
             self._call(command)
+        elif isinstance(command, _Lend):
+            self._lend(command)
+
+    def _lend(self, command: _Lend) -> None:
+        self._cores_lent += command.delta
+        if self._intra_op_threads is not None:
+            get_threads, set_threads = self._intra_op_threads
+            if self._cores_lent == 1 and command.delta > 0:
+                self._full_threads = get_threads()  # what the engine runs on while nothing is lent
+            threads = max(1, self._full_threads - self._cores_lent)
+            if get_threads() != threads:
+                set_threads(threads)
+        if command.ack is not None:
+            _post(command.loop, _settle, command.ack, None, None)
 
     def _add(self, command: _Add) -> None:
         try:
@@ -472,6 +540,8 @@ class AsyncEngine:
                 _post(command.stream.loop, _settle, command.ack, None, error)
             elif isinstance(command, _Call):
                 _post(command.loop, _settle, command.future, None, error)
+            elif isinstance(command, _Lend) and command.ack is not None:
+                _post(command.loop, _settle, command.ack, None, None)  # nothing left to lend from
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             _post(stream.loop, _deliver, [(stream, error)])

@@ -7,7 +7,7 @@ import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
@@ -30,13 +30,19 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 router = APIRouter()
-# Bodies parsed off the event loop (engine/server/request_body.py).
-CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
-ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.kvtier
+
+
+def _engine_core(request: Request) -> AbstractAsyncContextManager[None]:
+    return _state(request).engine.lend_core()
+
+
+# Bodies parsed off the event loop, big ones on a core the engine lends (engine/server/request_body.py).
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest, _engine_core))]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest, _engine_core))]
 
 
 @router.post("/v1/completions")

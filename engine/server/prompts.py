@@ -9,7 +9,9 @@ A text prompt longer than `max_model_len * 8` characters is first tokenized only
 such a prefix alone leaves no room for an output token, the request is refused without
 tokenizing the rest. Every text is checked for lone surrogates just before it is
 tokenized (a prompt's validation leaves that to this module), so a refused prompt's
-rest is not even scanned.
+rest is not even scanned. A prompt of LEND_CORE_CHARS characters or more is tokenized on
+a core the engine lends (`AsyncEngine.lend_core`): the worker thread then does not take one
+from the engine's OpenMP team mid-step.
 
 A segmented prompt (the completions API's `segments`, or text split at the request's
 `kv_blend_separator` or else `--kv-blend-separator`) is tokenized segment by segment
@@ -21,18 +23,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from contextlib import AbstractAsyncContextManager, nullcontext
+from typing import Any, TypeVar
 
 from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
 from engine.server.protocol import check_unicode
 
+T = TypeVar("T")
 # Characters of a text prompt tokenized before the whole, per token of context, tried in
 # turn: English prose averages about four characters a token and code about three, so a
 # prefix of four times as many characters as the context has tokens usually overflows it
 # already when the prompt does, and one of eight times does.
 PREFIX_CHARS_PER_TOKEN = (4, 8)
+# Prompts of at least this many characters (about 4,000 tokens, a few milliseconds of
+# tokenizing) are tokenized on a lent core; a loan waits for the engine's next step
+# boundary, which a short prompt need not.
+LEND_CORE_CHARS = 16 * 1024
 # A prefix cut inside a word can tokenize into a few more tokens than the same
 # characters do in the whole text; a prefix is judged too long only past this margin.
 CUT_MARGIN_TOKENS = 16
@@ -56,13 +64,17 @@ class PromptTokenizer:
     `encode_chat` do, in a worker thread; raises PromptTooLongError for a prompt of
     `max_model_len` tokens or more. `tokenizer` is a transformers fast tokenizer that the
     engine thread does not use (the worker threads only read it); `separator` is
-    --kv-blend-separator."""
+    --kv-blend-separator; `lend_core` is AsyncEngine.lend_core."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, separator: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, separator: str | None = None,
+        lend_core: Callable[[], AbstractAsyncContextManager[None]] = nullcontext,
+    ) -> None:
         self.tokenizer = tokenizer
         self._backend = backend_tokenizer(tokenizer)
         self.max_model_len = max_model_len
         self.separator = separator
+        self._lend_core = lend_core
 
     async def encode(
         self, prompts: Sequence[str | list[int] | Segments], param: str = "prompt", separator: str | None = None
@@ -76,9 +88,10 @@ class PromptTokenizer:
             if isinstance(prompt, str) and (segments := split_text(prompt, separator)) is not None:
                 prompt = segments
             if isinstance(prompt, Segments):
-                token_ids = await self._run(self._encode_segments, prompt, True, param)
+                chars = sum(len(p) for p in prompt.parts if isinstance(p, str))
+                token_ids = await self._run(chars, self._encode_segments, prompt, True, param)
             elif isinstance(prompt, str):
-                token_ids = await self._run(self._encode_text, prompt, True, param)
+                token_ids = await self._run(len(prompt), self._encode_text, prompt, True, param)
             else:
                 token_ids = list(prompt)
                 self._check(len(token_ids), param, at_least=False)
@@ -91,11 +104,15 @@ class PromptTokenizer:
         """The chat template applied to `messages` (with the generation prompt),
         tokenized; segmented where `separator` (else --kv-blend-separator) occurs in a
         message."""
-        return await self._run(self._encode_chat, messages, separator or self.separator, param)
+        chars = sum(len(m["content"]) for m in messages)
+        return await self._run(chars, self._encode_chat, messages, separator or self.separator, param)
 
-    @staticmethod
-    async def _run(fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        return await asyncio.to_thread(fn, *args)
+    async def _run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a worker thread, on a lent core for `chars` of LEND_CORE_CHARS or more."""
+        if chars < LEND_CORE_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        async with self._lend_core():
+            return await asyncio.to_thread(fn, *args)
 
     def _encode_chat(self, messages: list[dict], separator: str | None, param: str) -> list[int] | SegmentedTokens:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

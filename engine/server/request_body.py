@@ -5,6 +5,10 @@ one C call each. On the event loop that stalls every stream the server is sendin
 for the whole time; in a worker thread the loop runs between the two calls and the
 rest of the request's work, so a big upload costs a running stream at most one call's
 worth of delay. Small bodies are parsed in place: a thread hop costs more than they do.
+
+A worker thread still needs a core, and the engine's torch ops use them all: a big body is
+decoded on a core the engine lends for it (`AsyncEngine.lend_core`, given to `json_body`
+as `lend_core`), so the engine's steps slow down by one thread instead of stalling.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import TypeVar
 
 from fastapi import Request
@@ -25,17 +30,22 @@ M = TypeVar("M", bound=BaseModel)
 THREAD_PARSE_BYTES = 256 * 1024
 
 
-def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+def json_body(
+    model: type[M],
+    lend_core: Callable[[Request], AbstractAsyncContextManager[None]] = lambda request: nullcontext(),
+) -> Callable[[Request], Awaitable[M]]:
     """A FastAPI dependency (`body: Annotated[Model, Depends(json_body(Model))]`) that
     reads the request body and validates it as `model`, raising the same errors FastAPI's
-    own body parameters raise, so the server's error handlers answer them alike."""
+    own body parameters raise, so the server's error handlers answer them alike. A big
+    body is decoded inside `lend_core(request)`."""
 
     async def parse(request: Request) -> M:
         raw = await request.body()
         if len(raw) < THREAD_PARSE_BYTES:
             return _validate(model, _decode(raw))
-        data = await asyncio.to_thread(_decode, raw)
-        return await asyncio.to_thread(_validate, model, data)
+        async with lend_core(request):
+            data = await asyncio.to_thread(_decode, raw)
+            return await asyncio.to_thread(_validate, model, data)
 
     return parse
 

@@ -66,12 +66,14 @@ def create_state(
 ) -> ServerState:
     """Build the engine of `config` on its engine thread (see AsyncEngine: every torch op
     of the server runs there) and gather what the routes need."""
+    import torch
+
     from engine.llm_engine import LLMEngine  # heavy (torch, transformers)
 
     metrics = ServerMetrics(model_names[0], config.kv_offload)
     async_engine = AsyncEngine(
         lambda: LLMEngine(config), max_pending_requests=settings.queue_size(config.max_num_seqs),
-        observer=metrics.requests,
+        observer=metrics.requests, intra_op_threads=(torch.get_num_threads, torch.set_num_threads),
     )
     engine: LLMEngine = async_engine.engine
     # The server's own tokenizer (prompts, logprob tokens): the engine's belongs to the
@@ -88,7 +90,8 @@ def create_state(
         vocab_size=engine.spec.vocab_size,
         max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
-        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len, engine.config.kv_blend_separator),
+        prompts=PromptTokenizer(tokenizer, engine.config.max_model_len, engine.config.kv_blend_separator,
+                                async_engine.lend_core),
         token_text=_token_text_function(tokenizer),
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,

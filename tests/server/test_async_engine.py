@@ -32,9 +32,14 @@ pytestmark = pytest.mark.timeout(30)
 class ScriptedEngine:
     """Emits token `i` at the i-th step of each request; records every calling thread."""
 
-    def __init__(self, step_seconds: float = 0.002, fail_at_step: int | None = None) -> None:
+    def __init__(
+        self, step_seconds: float = 0.002, fail_at_step: int | None = None, intra_op: IntraOpThreads | None = None
+    ) -> None:
         self.step_seconds = step_seconds
         self.fail_at_step = fail_at_step
+        self.intra_op = intra_op
+        self.step_threads: list[int] = []  # the intra-op thread count each step ran with
+        self.step_ends: list[float] = []
         self.requests: dict[str, tuple[list[int], int]] = {}
         self.aborted: list[str] = []
         self.num_steps = 0
@@ -67,9 +72,12 @@ class ScriptedEngine:
     def step(self) -> list[RequestOutput]:
         self._touch()
         self.num_steps += 1
+        if self.intra_op is not None:
+            self.step_threads.append(self.intra_op.count)
         if self.fail_at_step == self.num_steps:
             raise RuntimeError("scheduler bug")
         time.sleep(self.step_seconds)
+        self.step_ends.append(time.monotonic())
         outputs = []
         for request_id, (tokens, max_tokens) in list(self.requests.items()):
             tokens.append(len(tokens))
@@ -88,10 +96,29 @@ class ScriptedEngine:
         self.shut_down = True
 
 
+class IntraOpThreads:
+    """A stand-in for torch's intra-op thread count, which must only change on the engine thread."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.setters: set[int] = set()
+
+    def get(self) -> int:
+        return self.count
+
+    def set(self, count: int) -> None:
+        self.setters.add(threading.get_ident())
+        self.count = count
+
+
 def _output(request_id: str, tokens: list[int], finished: bool) -> RequestOutput:
     completion = CompletionOutput(0, "", list(tokens), "length" if finished else None)
     return RequestOutput(request_id, None, [1], [completion], finished, RequestMetrics(0.0),
                          new_token_ids=tokens[-1:])
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
 
 
 async def _collect(engine: AsyncEngine, request_id: str, max_tokens: int, prompt="p") -> list[RequestOutput]:
@@ -127,8 +154,8 @@ def test_streams_every_output_and_only_the_engine_thread_touches_the_engine():
 
     results = run(scenario, engine)
     for i, outputs in enumerate(results):
-        assert [o.new_token_ids for o in outputs] == [[t] for t in range(5 + i)]
-        assert [o.finished for o in outputs] == [False] * (4 + i) + [True]
+        assert _tokens(outputs) == list(range(5 + i))  # outputs a busy loop read late are merged
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert len(engine.threads) == 1
     assert threading.get_ident() not in engine.threads
 
@@ -145,7 +172,7 @@ def test_slow_consumer_gets_merged_outputs_with_every_token():
 
     outputs = run(scenario, engine)
     assert len(outputs) < 50 and outputs[-1].finished
-    assert [t for o in outputs for t in o.new_token_ids] == list(range(50))
+    assert _tokens(outputs) == list(range(50))
     assert outputs[-1].outputs[0].token_ids == list(range(50))
 
 
@@ -168,7 +195,7 @@ def test_duplicate_id_does_not_abort_the_request_that_owns_it():
             await _collect(ae, "same", 3)
         return await first
 
-    assert len(run(scenario, engine)) == 30
+    assert _tokens(run(scenario, engine)) == list(range(30))
     assert engine.aborted == []
 
 
@@ -211,7 +238,7 @@ def test_queue_bound_rejects_then_admits_again():
         await asyncio.gather(*running)
         return await _collect(ae, "later", 2)
 
-    assert len(run(scenario, engine, max_pending_requests=2)) == 2
+    assert _tokens(run(scenario, engine, max_pending_requests=2)) == [0, 1]
 
 
 def _group(ae: AsyncEngine, name: str, prompts: list[str], max_tokens: int = 3) -> RequestGroup:
@@ -329,7 +356,7 @@ def test_graceful_shutdown_finishes_in_flight_requests_and_refuses_new_ones():
         return outputs
 
     outputs = asyncio.run(scenario())
-    assert len(outputs) == 40 and outputs[-1].finished
+    assert _tokens(outputs) == list(range(40)) and outputs[-1].finished
     assert engine.aborted == [] and engine.shut_down
 
 
@@ -392,3 +419,107 @@ def test_an_engine_that_fails_to_build_raises_from_the_constructor():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(build)
+
+
+def _lending(threads: IntraOpThreads, step_seconds: float = 0.002) -> tuple[ScriptedEngine, dict]:
+    engine = ScriptedEngine(step_seconds=step_seconds, intra_op=threads)
+    return engine, {"intra_op_threads": (threads.get, threads.set)}
+
+
+def test_a_lent_core_runs_the_steps_on_one_thread_fewer_until_it_is_given_back():
+    threads = IntraOpThreads(4)
+    engine, options = _lending(threads)
+
+    async def scenario(ae: AsyncEngine):
+        task = asyncio.ensure_future(_collect(ae, "r", 100_000))
+        await _until(lambda: engine.num_steps > 2)
+        async with ae.lend_core():
+            assert threads.count == 3  # lowered before the block is entered
+            first = engine.num_steps
+            await _until(lambda: engine.num_steps > first + 3)
+            during = engine.step_threads[first:]
+        await _until(lambda: threads.count == 4)
+        after = engine.num_steps
+        await _until(lambda: engine.num_steps > after + 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return during, engine.step_threads[after + 1:]
+
+    during, after = run(scenario, engine, **options)
+    assert set(during) == {3}
+    assert set(after) == {4}
+    assert threads.setters == engine.threads  # set on the engine thread only
+
+
+def test_a_loan_is_entered_at_a_step_boundary_not_mid_step():
+    threads = IntraOpThreads(2)
+    engine, options = _lending(threads, step_seconds=0.2)
+
+    async def scenario(ae: AsyncEngine):
+        task = asyncio.ensure_future(_collect(ae, "r", 3))
+        await _until(lambda: engine.num_steps == 1)
+        async with ae.lend_core():
+            entered = time.monotonic()
+            await task
+        return entered
+
+    entered = run(scenario, engine, **options)
+    assert entered >= engine.step_ends[0]  # the step in flight finished first
+    assert engine.step_threads == [2, 1, 1]
+
+
+def test_loans_at_once_leave_the_engine_one_thread_and_all_come_back():
+    threads = IntraOpThreads(3)
+    engine, options = _lending(threads)
+
+    async def borrow(ae: AsyncEngine, seen: list[int]) -> None:
+        async with ae.lend_core():
+            seen.append(threads.count)
+            await asyncio.sleep(0.05)
+
+    async def scenario(ae: AsyncEngine):
+        seen: list[int] = []
+        await asyncio.gather(*(borrow(ae, seen) for _ in range(4)))
+        await _until(lambda: threads.count == 3)
+        return seen
+
+    seen = run(scenario, engine, **options)
+    assert min(seen) == 1 and all(1 <= count <= 2 for count in seen)
+
+
+def test_a_loan_cancelled_while_waiting_is_given_back():
+    threads = IntraOpThreads(2)
+    engine, options = _lending(threads, step_seconds=0.1)
+
+    async def scenario(ae: AsyncEngine):
+        stream = asyncio.ensure_future(_collect(ae, "r", 1000))
+        await _until(lambda: engine.num_steps == 1)
+
+        async def borrow():
+            async with ae.lend_core():
+                raise AssertionError("entered a cancelled loan")
+
+        waiting = asyncio.ensure_future(borrow())
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        first = engine.num_steps
+        await _until(lambda: engine.num_steps > first + 2)
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+        return waiting.cancelled()
+
+    assert run(scenario, engine, **options)
+    assert threads.count == 2 and engine.step_threads[-1] == 2
+
+
+def test_a_closed_engine_lends_nothing_and_does_not_block():
+    threads = IntraOpThreads(2)
+    engine, options = _lending(threads)
+
+    async def scenario(ae: AsyncEngine):
+        await ae.shutdown(graceful=False)
+        async with ae.lend_core():
+            return threads.count
+
+    assert run(scenario, engine, **options) == 2

@@ -5,6 +5,7 @@ before the whole of it is tokenized."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -12,7 +13,12 @@ from transformers import AutoTokenizer
 
 from engine.blend import SegmentedTokens, Segments
 from engine.server.errors import APIError
-from engine.server.prompts import PREFIX_CHARS_PER_TOKEN, PromptTokenizer, PromptTooLongError
+from engine.server.prompts import (
+    LEND_CORE_CHARS,
+    PREFIX_CHARS_PER_TOKEN,
+    PromptTokenizer,
+    PromptTooLongError,
+)
 from tests.server.server_helpers import MAX_MODEL_LEN
 
 TEXTS = ["Hello there, how are you?", "  leading spaces\nand a newline wörld 🙂", "x"]
@@ -132,3 +138,61 @@ def test_an_overlong_segmented_prompt_is_refused_from_its_prefix(prompts):
         asyncio.run(prompts.encode([Segments(["system", huge, "question"])], "segments"))
     with pytest.raises(PromptTooLongError, match=r"segments alone has \d+ tokens"):
         asyncio.run(prompts.encode([Segments(["word " * 200, "word " * 200])], "segments"))
+
+
+class Loans:
+    """A stand-in for AsyncEngine.lend_core that records whether each tokenization ran inside a loan."""
+
+    def __init__(self, prompts: PromptTokenizer) -> None:
+        self.open = 0
+        self.tokenized_inside: list[bool] = []
+        tokenize = prompts._tokenize
+
+        def recording_tokenize(text, special, param):
+            self.tokenized_inside.append(self.open == 1)
+            return tokenize(text, special, param)
+
+        prompts._tokenize = recording_tokenize
+
+    @contextlib.asynccontextmanager
+    async def lend(self):
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
+@pytest.fixture
+def lending(model_path) -> tuple[PromptTokenizer, Loans]:
+    prompts = PromptTokenizer(AutoTokenizer.from_pretrained(model_path), MAX_MODEL_LEN)
+    loans = Loans(prompts)
+    prompts._lend_core = loans.lend
+    return prompts, loans
+
+
+def test_long_prompts_are_tokenized_on_a_lent_core_and_short_ones_are_not(lending):
+    prompts, loans = lending
+    long_text = "w" * LEND_CORE_CHARS
+    asyncio.run(prompts.encode(["short"]))
+    with pytest.raises(PromptTooLongError):
+        asyncio.run(prompts.encode(["w" * (LEND_CORE_CHARS - 1)]))
+    assert loans.tokenized_inside and not any(loans.tokenized_inside)
+    loans.tokenized_inside.clear()
+    for work in (prompts.encode([long_text]), prompts.encode_chat([{"role": "user", "content": long_text}]),
+                 prompts.encode([Segments(["w" * (LEND_CORE_CHARS // 2)] * 2)])):
+        with contextlib.suppress(PromptTooLongError):
+            asyncio.run(work)
+        assert loans.tokenized_inside and all(loans.tokenized_inside)
+        loans.tokenized_inside.clear()
+    assert loans.open == 0
+
+
+def test_a_lent_core_is_given_back_when_the_prompt_is_refused(lending):
+    prompts, loans = lending
+    with pytest.raises(PromptTooLongError):
+        asyncio.run(prompts.encode(["some ordinary words of text, " * 100_000]))
+    with pytest.raises(APIError, match="lone UTF-16 surrogate"):
+        asyncio.run(prompts.encode(["\ud800" + "w" * LEND_CORE_CHARS]))
+    assert loans.tokenized_inside and all(loans.tokenized_inside)
+    assert loans.open == 0

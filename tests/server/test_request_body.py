@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from typing import Annotated
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -17,23 +18,41 @@ from engine.server.errors import install_error_handlers
 from engine.server.protocol import CompletionRequest
 
 
-def _app() -> FastAPI:
+class Loans:
+    """A stand-in for AsyncEngine.lend_core that records what ran inside a loan."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.decoded_inside: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def lend(self, request) -> AsyncIterator[None]:
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
+def _app(loans: Loans | None = None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
+    parse = request_body.json_body(CompletionRequest) if loans is None else request_body.json_body(
+        CompletionRequest, loans.lend)
 
     @app.post("/v1/completions")
-    async def completions(body: Annotated[CompletionRequest, Depends(request_body.json_body(CompletionRequest))]) -> dict:
+    async def completions(body: CompletionRequest = Depends(parse)) -> dict:  # noqa: B008 (FastAPI's idiom)
         return {"prompt_chars": len(body.prompt[0])}
 
     return app
 
 
-def _post(content: bytes) -> httpx.Response:
-    return asyncio.run(_post_async(content))
+def _post(content: bytes, loans: Loans | None = None) -> httpx.Response:
+    return asyncio.run(_post_async(content, loans))
 
 
-async def _post_async(content: bytes) -> httpx.Response:
-    transport = httpx.ASGITransport(app=_app())
+async def _post_async(content: bytes, loans: Loans | None = None) -> httpx.Response:
+    transport = httpx.ASGITransport(app=_app(loans))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         return await client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
 
@@ -57,6 +76,28 @@ def test_big_bodies_are_parsed_in_a_worker_thread(monkeypatch, prompt_chars, off
     assert response.status_code == 200
     assert response.json() == {"prompt_chars": prompt_chars}
     assert (threads != [caller]) is off_loop and len(threads) == 1
+
+
+@pytest.mark.parametrize("prompt_chars, lent", [(100, False), (2 * request_body.THREAD_PARSE_BYTES, True)])
+def test_big_bodies_are_decoded_on_a_lent_core(monkeypatch, prompt_chars, lent):
+    loans = Loans()
+    decode = request_body._decode
+
+    def recording_decode(raw: bytes) -> object:
+        loans.decoded_inside.append(loans.open == 1)
+        return decode(raw)
+
+    monkeypatch.setattr(request_body, "_decode", recording_decode)
+    assert _post(_body(prompt_chars), loans).status_code == 200
+    assert loans.decoded_inside == [lent]
+    assert loans.open == 0
+
+
+def test_a_lent_core_is_given_back_when_a_big_body_is_refused():
+    loans = Loans()
+    response = _post(b'{"prompt": "' + b"x" * 2 * request_body.THREAD_PARSE_BYTES, loans)
+    assert response.status_code == 400
+    assert loans.open == 0
 
 
 @pytest.mark.parametrize("size", [10, 2 * request_body.THREAD_PARSE_BYTES])
