@@ -306,14 +306,14 @@ class AsyncEngine:
         and the block runs at once."""
         loop = asyncio.get_running_loop()
         ack = loop.create_future()
-        if not self._submit_loan(_Lend(+1, loop, ack)):
+        if not self._submit(_Lend(+1, loop, ack)):
             yield
             return
         try:
             await ack
             yield
         finally:
-            self._submit_loan(_Lend(-1))
+            self._submit(_Lend(-1))
 
     async def shutdown(self, graceful: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting; if graceful, let in-flight requests finish for up to `timeout`
@@ -335,23 +335,15 @@ class AsyncEngine:
             return EngineDeadError(f"the engine failed: {self._error!r}")
         return EngineClosedError("the engine is shutting down")
 
-    def _submit(self, command: _Command) -> None:
-        """Queue a command unless the engine thread has stopped reading (aborts and stops
-        are then moot; anything else is refused, never left unanswered)."""
-        with self._submit_lock:
-            if not self._closed:
-                self._inbox.put(command)
-                return
-        if not isinstance(command, _Abort | _Stop):
-            raise self._closed_error()
-
-    def _submit_loan(self, command: _Lend) -> bool:
-        """Queue a loan change; False once the engine thread has stopped reading (its
-        threads no longer matter)."""
+    def _submit(self, command: _Command) -> bool:
+        """Queue a command unless the engine thread has stopped reading (aborts, stops and
+        loans are then moot: False; anything else is refused, never left unanswered)."""
         with self._submit_lock:
             if not self._closed:
                 self._inbox.put(command)
                 return True
+        if not isinstance(command, _Abort | _Stop | _Lend):
+            raise self._closed_error()
         return False
 
     def reserve(self, count: int) -> Reservation:
