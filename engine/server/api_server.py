@@ -7,7 +7,7 @@ import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
@@ -19,6 +19,7 @@ from engine import __version__
 from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url
 from engine.server import admin
 from engine.server.auth import ApiKeyMiddleware
+from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -36,13 +37,13 @@ def _state(request: Request) -> ServerState:
     return request.app.state.kvtier
 
 
-def _engine_core(request: Request) -> AbstractAsyncContextManager[None]:
-    return _state(request).engine.lend_core()
+def _body_decoder(request: Request) -> BodyDecoder:
+    return _state(request).body_decoder
 
 
-# Bodies parsed off the event loop, big ones on a core the engine lends (engine/server/request_body.py).
-CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest, _engine_core))]
-ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest, _engine_core))]
+# Big bodies are decoded off the event loop (engine/server/request_body.py).
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest, _body_decoder))]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest, _body_decoder))]
 
 
 @router.post("/v1/completions")
@@ -113,6 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await state.engine.shutdown(graceful=True, timeout=state.settings.shutdown_timeout)
+        state.body_decoder.close()
 
     app = FastAPI(title="kvtier", summary="OpenAI-compatible server of the kvtier engine", lifespan=lifespan)
     app.state.kvtier = state

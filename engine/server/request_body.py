@@ -1,51 +1,46 @@
-"""JSON request bodies decoded and validated in a worker thread, off the event loop.
+"""JSON request bodies: small ones decoded and validated in place, big ones on the body
+decoder's thread, off the event loop.
 
 Decoding and validating a body of several MB holds the GIL for tens of milliseconds in
 one C call each. On the event loop that stalls every stream the server is sending
-for the whole time; in a worker thread the loop runs between the two calls and the
+for the whole time; on another thread the loop runs between the two calls and the
 rest of the request's work, so a big upload costs a running stream at most one call's
-worth of delay. Small bodies are parsed in place: a thread hop costs more than they do.
-
-A worker thread still needs a core, and the engine's torch ops use them all: a big body is
-decoded on a core the engine lends for it (`AsyncEngine.lend_core`, given to `json_body`
-as `lend_core`), so the engine's steps slow down by one thread instead of stalling.
+worth of delay, which the decoder's resident memory keeps short (engine/server/body_decoder.py).
+Small bodies are parsed in place: a thread hop costs more than they do.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
-# Bodies above this many bytes are parsed in a worker thread.
+# Bodies of this many bytes or more are decoded on the body decoder's thread.
 THREAD_PARSE_BYTES = 256 * 1024
 
 
-def json_body(
-    model: type[M],
-    lend_core: Callable[[Request], AbstractAsyncContextManager[None]] = lambda request: nullcontext(),
-) -> Callable[[Request], Awaitable[M]]:
-    """A FastAPI dependency (`body: Annotated[Model, Depends(json_body(Model))]`) that
-    reads the request body and validates it as `model`, raising the same errors FastAPI's
-    own body parameters raise, so the server's error handlers answer them alike. A big
-    body is decoded inside `lend_core(request)`."""
+def json_body(model: type[M], decoder_of: Callable[[Request], BodyDecoder]) -> Callable[[Request], Awaitable[M]]:
+    """A FastAPI dependency (`body: Annotated[Model, Depends(json_body(Model, ...))]`)
+    that reads the request body and validates it as `model`, raising the same errors
+    FastAPI's own body parameters raise, so the server's error handlers answer them alike.
+    A big body is decoded by `decoder_of(request)`, on a core its `lend_core` lends."""
 
     async def parse(request: Request) -> M:
         raw = await request.body()
         if len(raw) < THREAD_PARSE_BYTES:
             return _validate(model, _decode(raw))
-        async with lend_core(request):
-            data = await asyncio.to_thread(_decode, raw)
-            return await asyncio.to_thread(_validate, model, data)
+        decoder = decoder_of(request)
+        async with decoder.lend_core():
+            data = await decoder.run(_decode, raw)
+            return await decoder.run(_validate, model, data)
 
     return parse
 

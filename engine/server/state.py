@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from engine.async_engine import AsyncEngine
 from engine.builtin_models import DEFAULT_MODEL
 from engine.config import EngineConfig, ServerConfig
+from engine.server.body_decoder import BodyDecoder, keep_freed_memory, reserve_for
 from engine.server.errors import model_not_found, too_many_prompts
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import PromptTokenizer
@@ -34,6 +35,7 @@ class ServerState:
     max_prompts_per_request: int  # --max-prompts-per-request, at most what the queue holds
     kv_offload: tuple[str, ...]
     prompts: PromptTokenizer
+    body_decoder: BodyDecoder
     token_text: Callable[[int], str]
     tier_health: Callable[[], dict[str, str]]  # offload tier -> "healthy"/"unhealthy", read now
     max_logprobs: int
@@ -92,10 +94,17 @@ def create_state(
         kv_offload=engine.config.kv_offload,
         prompts=PromptTokenizer(tokenizer, engine.config.max_model_len, engine.config.kv_blend_separator,
                                 async_engine.lend_core),
+        body_decoder=_body_decoder(async_engine, settings.max_request_bytes),
         token_text=_token_text_function(tokenizer),
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,
     )
+
+
+def _body_decoder(async_engine: AsyncEngine, max_request_bytes: int) -> BodyDecoder:
+    """The thread that decodes big bodies, its memory kept resident where malloc allows."""
+    reserve = reserve_for(max_request_bytes) if keep_freed_memory() else 0
+    return BodyDecoder(async_engine.lend_core, reserve)
 
 
 def _token_text_function(tokenizer: Any) -> Callable[[int], str]:

@@ -14,6 +14,7 @@ import pytest
 from fastapi import Depends, FastAPI
 
 from engine.server import request_body
+from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import install_error_handlers
 from engine.server.protocol import CompletionRequest
 
@@ -26,7 +27,7 @@ class Loans:
         self.decoded_inside: list[bool] = []
 
     @contextlib.asynccontextmanager
-    async def lend(self, request) -> AsyncIterator[None]:
+    async def lend(self) -> AsyncIterator[None]:
         self.open += 1
         try:
             yield
@@ -37,8 +38,8 @@ class Loans:
 def _app(loans: Loans | None = None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
-    parse = request_body.json_body(CompletionRequest) if loans is None else request_body.json_body(
-        CompletionRequest, loans.lend)
+    decoder = BodyDecoder() if loans is None else BodyDecoder(loans.lend)
+    parse = request_body.json_body(CompletionRequest, lambda request: decoder)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest = Depends(parse)) -> dict:  # noqa: B008 (FastAPI's idiom)
@@ -62,7 +63,7 @@ def _body(prompt_chars: int) -> bytes:
 
 
 @pytest.mark.parametrize("prompt_chars, off_loop", [(100, False), (2 * request_body.THREAD_PARSE_BYTES, True)])
-def test_big_bodies_are_parsed_in_a_worker_thread(monkeypatch, prompt_chars, off_loop):
+def test_big_bodies_are_parsed_on_the_decoder_thread(monkeypatch, prompt_chars, off_loop):
     threads = []
     decode = request_body._decode
 
