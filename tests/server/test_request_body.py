@@ -35,10 +35,9 @@ class Loans:
             self.open -= 1
 
 
-def _app(loans: Loans | None = None) -> FastAPI:
+def _app(decoder: BodyDecoder) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
-    decoder = BodyDecoder() if loans is None else BodyDecoder(loans.lend)
     parse = request_body.json_body(CompletionRequest, lambda request: decoder)
 
     @app.post("/v1/completions")
@@ -53,9 +52,14 @@ def _post(content: bytes, loans: Loans | None = None) -> httpx.Response:
 
 
 async def _post_async(content: bytes, loans: Loans | None = None) -> httpx.Response:
-    transport = httpx.ASGITransport(app=_app(loans))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    decoder = BodyDecoder() if loans is None else BodyDecoder(loans.lend)
+    try:
+        transport = httpx.ASGITransport(app=_app(decoder))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(
+                "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    finally:
+        decoder.close()
 
 
 def _body(prompt_chars: int) -> bytes:
