@@ -7,17 +7,20 @@ position 0) takes that KV, its key rotated by `reuse_shift` positions (RoPE rota
 compose: rotating a key computed at offset o by s gives the key at o + s). The others,
 and the tokens selected for recompute, are computed in context.
 
-Selection (CacheBlend's idea, on one check layer). Layer 0's KV depends only on the
-token and its position, so a moved key is exact there; the first layer whose KV carries
-the missing cross-attention is layer 1. Layers 0 and 1 are therefore computed for every
-token of the region, and at layer 1 the tokens whose fresh values deviate most from
-their stored ones (squared L2 distance of V, as CacheBlend's implementation measures) are
-kept for recompute, a fraction `recompute_ratio` of the reusable tokens; layers 2 and up
-compute only those and the tokens without stored KV. Ratio 1 computes everything: a
-full prefill. Why V: on SmolLM2-135M (docs/ARCHITECTURE.md, "Blending") it lowered the
-first output token's KL divergence from the full prefill more than K, K and V together,
-or a random choice, at every ratio measured; key deviations are dominated by a few
-large-magnitude key dimensions rather than by what the token carries.
+Selection. Layer 0's KV depends only on the token and its position, so a moved key is
+exact there; the first layer whose KV carries the missing cross-attention is layer 1
+(the check layer). Layers 0 and 1 are therefore computed for every token of the
+region; layers 2 and up compute only the tokens without stored KV and a fraction
+`recompute_ratio` of the reusable ones: those the question attends to most. Before the
+region, the question's tokens alone (the computed tokens after the last reused one) run
+through every layer over the moved KV, and each reused token scores the largest
+attention weight any of their heads pays it after the check layer. Moved KV errs most
+where the answer reads: a planted fact and the distractors like it draw more attention
+from the question than they do in context, and recomputing them in context restores
+that balance. CacheBlend's measure, the tokens whose values deviate most from their
+stored ones at the check layer, recomputes what changed most whether or not the question
+reads it; it remains for a region without question tokens. Why the choice, measured:
+docs/ARCHITECTURE.md, "Blending". Ratio 1 computes everything: a full prefill.
 
 Attention runs over the gathered context and region KV with a causal mask by absolute
 position (recomputed tokens are scattered, which the paged kernels do not handle), in
@@ -28,8 +31,6 @@ afterwards reads it from the paged cache like any other KV.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,14 +100,19 @@ def blend_prefill(
     block_size = kv_cache.shape[3]
     reused = (plan.reuse_slots >= 0).nonzero().squeeze(1)
     computed = (plan.reuse_slots < 0).nonzero().squeeze(1)
-    sources = _split_slots(plan.reuse_slots[reused], block_size)
     context = _split_slots(plan.context_slots, block_size)
     dest = plan.dest_slots
-    move = _Mover(shift_rotary, plan.reuse_shift[reused])
+    move = _Mover(shift_rotary, _split_slots(plan.reuse_slots[reused], block_size), plan.reuse_shift[reused])
     positions = plan.positions_cpu.to(device)
     cos, sin = core.rotary.cos_sin(positions)
     key_positions = torch.cat([torch.arange(len(plan.context_slots)), plan.positions_cpu])
     check_layer = min(CHECK_LAYER, len(core.layers) - 1)
+    count = round(plan.recompute_ratio * len(reused))
+    scores = None  # what picks the reused tokens to recompute
+    if 0 < count < len(reused):
+        question = computed[computed > reused.max()]
+        if len(question):
+            scores = _question_attention(core, kv_cache, plan, reused, question, move, check_layer)
     rows = torch.arange(n, device=device)
     rows_cpu = torch.arange(n)
     x = core.embed_tokens(plan.token_ids)
@@ -118,14 +124,15 @@ def blend_prefill(
         if index <= check_layer:  # every row is computed: fresh KV for the whole region
             k_region, v_region = k, v
             if index == check_layer:
-                stored_values = functools.partial(_gather, kv_layer, sources, 1)
-                rows = _select(v, reused, computed, stored_values, plan.recompute_ratio)
+                if scores is None and 0 < count < len(reused):
+                    scores = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
+                rows = _select(reused, computed, count, scores)
                 rows_cpu = rows.cpu()
                 q, x = q[rows], x[rows]
         else:
             k_region = k.new_empty((n, *k.shape[1:]))
             v_region = v.new_empty((n, *v.shape[1:]))
-            k_region[reused], v_region[reused] = move(kv_layer, sources)
+            k_region[reused], v_region[reused] = move(kv_layer)
             k_region[rows], v_region[rows] = k, v
         kernels.write_kv(kv_layer, k_region, v_region, dest)
         keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), k_region])
@@ -137,35 +144,67 @@ def blend_prefill(
     return BlendResult(core.norm(x, _fused(core, x)), rows, num_reused=n - len(rows), num_recomputed=len(rows))
 
 
-def _select(
-    v: torch.Tensor, reused: torch.Tensor, computed: torch.Tensor,
-    stored_values: Callable[[], torch.Tensor], ratio: float,
+def _question_attention(
+    core: torch.nn.Module, kv_cache: torch.Tensor, plan: BlendPlan, reused: torch.Tensor,
+    question: torch.Tensor, move: _Mover, check_layer: int,
 ) -> torch.Tensor:
-    """Region rows computed after the check layer: every token without stored KV, and
-    the `ratio` fraction of reusable tokens whose fresh values are farthest from their
+    """Per reused token, the largest attention weight any of the `question` rows pays it
+    in any head of the layers after the check layer: the question's tokens alone run through
+    every layer over the context and the moved KV of the reused tokens (the region's
+    other computed tokens are not there yet, and are left out)."""
+    block_size = kv_cache.shape[3]
+    context = _split_slots(plan.context_slots, block_size)
+    question_cpu = question.cpu()
+    question_positions = plan.positions_cpu[question_cpu]
+    num_context = len(plan.context_slots)
+    key_positions = torch.cat([torch.arange(num_context), plan.positions_cpu[reused.cpu()], question_positions])
+    cos, sin = core.rotary.cos_sin(question_positions.to(kv_cache.device))
+    attention = torch.zeros(len(key_positions), device=kv_cache.device)
+    x = core.embed_tokens(plan.token_ids[question])
+    for index, layer in enumerate(core.layers):
+        kv_layer = kv_cache[:, index]
+        attn = layer.self_attn
+        fused = _fused(core, x)
+        q, k, v = _project(attn, layer.input_layernorm(x, fused), cos, sin, fused)
+        moved_k, moved_v = move(kv_layer)
+        keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), moved_k, k])
+        values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), moved_v, v])
+        out = _masked_attention(q, keys, values, question_positions, key_positions, attn.scale,
+                                key_attention=attention if index > check_layer else None)
+        x = x + attn.o_proj(out.flatten(1))
+        fused = _fused(core, x)
+        x = x + layer.mlp(layer.post_attention_layernorm(x, fused), fused)
+    return attention[num_context : num_context + len(reused)]
+
+
+def _value_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's measure: squared L2 distance of each token's fresh values from its
     stored ones."""
-    count = round(ratio * len(reused))
+    return (fresh.float() - stored.float()).square().sum((1, 2))
+
+
+def _select(reused: torch.Tensor, computed: torch.Tensor, count: int, scores: torch.Tensor | None) -> torch.Tensor:
+    """Region rows computed after the check layer: every token without stored KV, and
+    the `count` reusable tokens of the highest `scores`."""
     if count == 0:
         return computed
     if count >= len(reused):
-        return torch.arange(v.shape[0], device=v.device)
-    deviation = (v[reused].float() - stored_values().float()).square().sum((1, 2))
-    chosen = reused[deviation.topk(count).indices]
+        return torch.cat([computed, reused]).sort().values
+    chosen = reused[scores.topk(count).indices]
     return torch.cat([computed, chosen]).sort().values
 
 
 class _Mover:
     """Reads the stored KV of the reused tokens from one layer and moves the keys."""
 
-    def __init__(self, rotary: ShiftRotary, shift: torch.Tensor) -> None:
+    def __init__(self, rotary: ShiftRotary, sources: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor) -> None:
         self.rotary = rotary
+        self.sources = sources
         self.shift = shift
 
-    def __call__(
-        self, kv_layer: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = _gather(kv_layer, sources, 0)
-        return self.rotary.rotate(keys, self.shift), _gather(kv_layer, sources, 1)
+    def __call__(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = _gather(kv_layer, self.sources, 0)
+        return self.rotary.rotate(keys, self.shift), _gather(kv_layer, self.sources, 1)
 
 
 def _split_slots(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,10 +242,13 @@ def _project(
 def _masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_positions: torch.Tensor, k_positions: torch.Tensor, scale: float,
+    key_attention: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q [m, H, D]` over `k`/`v [L, KH, D]`, a query seeing the keys at
     positions up to its own (GQA by H // KH). Positions are host tensors, keys in
-    ascending position order, so each row tile reads only the keys its last row sees."""
+    ascending position order, so each row tile reads only the keys its last row sees.
+    `key_attention [L]`, if given, is raised to each key's largest attention weight from
+    any row and head."""
     m, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -225,6 +267,9 @@ def _masked_attention(
         scores = torch.matmul(qt, kt[:, :, :visible]).mul_(scale).view(kv_heads, group, rows, visible)
         hidden = k_pos_dev[None, :visible] > q_positions[first:last].to(q.device)[:, None]
         scores.masked_fill_(hidden, float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype).view(kv_heads, group * rows, visible)
+        probs = scores.softmax(-1)
+        if key_attention is not None:
+            torch.maximum(key_attention[:visible], probs.amax((0, 1, 2)), out=key_attention[:visible])
+        probs = probs.to(v.dtype).view(kv_heads, group * rows, visible)
         out[:, :, first:last] = torch.matmul(probs, vt[:, :visible]).view(kv_heads, group, rows, head_dim)
     return out.permute(2, 0, 1, 3).reshape(m, heads, head_dim)

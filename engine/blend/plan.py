@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.hashing import hash_block, salt_extra
 
-BLEND_MARK_VERSION = b"kvtier-blend/v1"
+BLEND_MARK_VERSION = b"kvtier-blend/v2"  # v2: tokens recomputed by the question's attention
 
 
 @dataclass(frozen=True)

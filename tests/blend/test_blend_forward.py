@@ -1,7 +1,7 @@
 """The blended forward on tiny random models (fp32, 4 layers, so that layers after the
 check layer exist): with nothing reused it is a full prefill (transformers' logits);
-moved keys equal keys computed at the new position; the check layer keeps the tokens
-whose stored KV deviates most."""
+moved keys equal keys computed at the new position; the tokens recomputed are those the
+question attends to most, or without a question those whose stored KV deviates most."""
 
 from __future__ import annotations
 
@@ -107,25 +107,48 @@ def test_a_moved_segment_equals_the_segment_computed_at_its_new_position(model):
             torch.testing.assert_close(scratch.rotary.rotate(stored_k, torch.full((24,), shift)), k)
 
 
-def test_the_check_layer_keeps_the_tokens_whose_stored_kv_deviates_most(model):
-    """Stored KV equal to the in-context KV except at two tokens of layers 1 and 2: a
-    ratio that recomputes two tokens recomputes exactly those, and the output is the
-    full prefill's."""
+def exact_copy(scratch: Scratch, slots: torch.Tensor) -> torch.Tensor:
+    """New slots holding the KV of `slots`, every layer."""
+    copy = scratch.slots(len(slots))
+    scratch.cache[copy // BLOCK_SIZE, :, :, copy % BLOCK_SIZE] = \
+        scratch.cache[slots // BLOCK_SIZE, :, :, slots % BLOCK_SIZE]
+    return copy
+
+
+def test_without_question_tokens_the_check_layer_keeps_the_tokens_whose_stored_kv_deviates_most(model):
+    """Every token reused, the stored KV equal to the in-context KV except at two tokens
+    of layers 1 and 2: a ratio that recomputes two tokens recomputes exactly those, with
+    the full prefill's hidden states."""
     tokens = prompt(32, seed=3)
     scratch = Scratch(model)
     whole, full = scratch.run(tokens, range(32))
-    stored = scratch.slots(32)
-    scratch.cache[stored // BLOCK_SIZE, :, :, stored % BLOCK_SIZE] = \
-        scratch.cache[whole.dest_slots // BLOCK_SIZE, :, :, whole.dest_slots % BLOCK_SIZE]
+    stored = exact_copy(scratch, whole.dest_slots)
     bad = torch.tensor([5, 21])
     for layer in (1, 2):
         scratch.cache[stored[bad] // BLOCK_SIZE, layer, 1, stored[bad] % BLOCK_SIZE] += 3.0
-    reuse = stored.clone()
-    reuse[-1] = -1  # the last token is always computed
-    _, result = scratch.run(tokens, range(32), reuse=reuse, shift=torch.zeros(32, dtype=torch.long),
-                            ratio=2 / 31)
-    assert result.rows.tolist() == [5, 21, 31]
-    torch.testing.assert_close(result.hidden[-1], full.hidden[-1], atol=1e-5, rtol=1e-5)
+    _, result = scratch.run(tokens, range(32), reuse=stored, shift=torch.zeros(32, dtype=torch.long), ratio=2 / 32)
+    assert result.rows.tolist() == [5, 21]
+    torch.testing.assert_close(result.hidden, full.hidden[bad], atol=1e-5, rtol=1e-5)
+
+
+def test_the_question_recomputes_the_tokens_it_attends_to_most(checkpoint, model):
+    """The last 4 tokens computed (the question), the others' stored KV exact: the 3
+    tokens recomputed are those that some head of some question row attends to most
+    after the check layer in a full prefill (transformers' attention weights), and the
+    question's hidden states are the full prefill's."""
+    tokens = prompt(32, seed=5)
+    scratch = Scratch(model)
+    whole, full = scratch.run(tokens, range(32))
+    reuse = exact_copy(scratch, whole.dest_slots)
+    reuse[28:] = -1
+    _, result = scratch.run(tokens, range(32), reuse=reuse, shift=torch.zeros(32, dtype=torch.long), ratio=3 / 28)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        attentions = reference.eval()(torch.tensor([tokens]), output_attentions=True).attentions
+    weights = torch.stack([a[0, :, 28:, :28].amax((0, 1)) for a in attentions[2:]]).amax(0)
+    expected = sorted(weights.topk(3).indices.tolist())
+    assert result.rows.tolist() == [*expected, 28, 29, 30, 31]
+    torch.testing.assert_close(result.hidden[-4:], full.hidden[-4:], atol=1e-5, rtol=1e-5)
 
 
 def test_ratio_one_recomputes_everything_whatever_is_stored(model):
