@@ -108,8 +108,9 @@ def blend_prefill(
     key_positions = torch.cat([torch.arange(len(plan.context_slots)), plan.positions_cpu])
     check_layer = min(CHECK_LAYER, len(core.layers) - 1)
     count = round(plan.recompute_ratio * len(reused))
-    scores = None  # what picks the reused tokens to recompute
-    if 0 < count < len(reused):
+    selective = 0 < count < len(reused)  # some reused tokens are recomputed, not all
+    scores = None  # what picks them
+    if selective:
         question = computed[computed > reused.max()]
         if len(question):
             scores = _question_attention(core, kv_cache, plan, reused, question, move, check_layer)
@@ -124,7 +125,7 @@ def blend_prefill(
         if index <= check_layer:  # every row is computed: fresh KV for the whole region
             k_region, v_region = k, v
             if index == check_layer:
-                if scores is None and 0 < count < len(reused):
+                if scores is None and selective:
                     scores = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
                 rows = _select(reused, computed, count, scores)
                 rows_cpu = rows.cpu()
@@ -138,9 +139,7 @@ def blend_prefill(
         keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), k_region])
         values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), v_region])
         out = _masked_attention(q, keys, values, plan.positions_cpu[rows_cpu], key_positions, attn.scale)
-        x = x + attn.o_proj(out.flatten(1))
-        fused = _fused(core, x)
-        x = x + layer.mlp(layer.post_attention_layernorm(x, fused), fused)
+        x = _after_attention(core, layer, x, out)
     return BlendResult(core.norm(x, _fused(core, x)), rows, num_reused=n - len(rows), num_recomputed=len(rows))
 
 
@@ -154,8 +153,7 @@ def _question_attention(
     other computed tokens are not there yet, and are left out)."""
     block_size = kv_cache.shape[3]
     context = _split_slots(plan.context_slots, block_size)
-    question_cpu = question.cpu()
-    question_positions = plan.positions_cpu[question_cpu]
+    question_positions = plan.positions_cpu[question.cpu()]
     num_context = len(plan.context_slots)
     key_positions = torch.cat([torch.arange(num_context), plan.positions_cpu[reused.cpu()], question_positions])
     cos, sin = core.rotary.cos_sin(question_positions.to(kv_cache.device))
@@ -171,10 +169,16 @@ def _question_attention(
         values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), moved_v, v])
         out = _masked_attention(q, keys, values, question_positions, key_positions, attn.scale,
                                 key_attention=attention if index > check_layer else None)
-        x = x + attn.o_proj(out.flatten(1))
-        fused = _fused(core, x)
-        x = x + layer.mlp(layer.post_attention_layernorm(x, fused), fused)
+        x = _after_attention(core, layer, x, out)
     return attention[num_context : num_context + len(reused)]
+
+
+def _after_attention(core: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer once its attention output `out` is known: the output
+    projection and the MLP, each added to the residual stream `x`."""
+    x = x + layer.self_attn.o_proj(out.flatten(1))
+    fused = _fused(core, x)
+    return x + layer.mlp(layer.post_attention_layernorm(x, fused), fused)
 
 
 def _value_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
