@@ -34,6 +34,9 @@ class OpenLoad(Protocol):
 
     def arrived_blocks(self) -> int: ...
 
+    @property
+    def blocked(self) -> bool: ...
+
     def tier_runs(self, num_blocks: int) -> list[tuple[str, int]]: ...
 
 
@@ -154,7 +157,7 @@ class Planner:
     def match(self, request: ConnectorRequest, num_computed: int) -> tuple[int | None, bool]:
         """Tokens the store supplies after a device hit of `num_computed` tokens and
         whether they arrive asynchronously; None while a probe or prefetch of this request
-        is still out (ask again next step)."""
+        is still out, or another request reads a record it needs (ask again next step)."""
         state = self._state(request.request_id)
         bs = self.geometry.block_size
         start, end = num_computed // bs, self.geometry.loadable_blocks(request.num_tokens)
@@ -171,6 +174,9 @@ class Planner:
             if not run:
                 return 0, False
             load = self.store.open_load(run)
+            if load.blocked:  # another request is reading a record of the run: wait for it
+                self._close_later(load)
+                return None, False
             is_async = not load.done()  # read once: it may complete meanwhile
             promised = load.num_blocks
             if not is_async:  # a synchronous answer is exact: only what arrived

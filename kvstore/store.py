@@ -100,10 +100,13 @@ class LoadPart:
 @dataclass(eq=False)
 class Load:
     """Records opened for one load, in block order; `future` is done when every read is
-    (at once when they all were in the cpu tier)."""
+    (at once when they all were in the cpu tier). `blocked`: the load stops short at a
+    record that another read or a save is filling into the cpu tier, so opening it again
+    once that is in covers more."""
 
     parts: list[LoadPart]
     future: Future[None]
+    blocked: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -294,6 +297,7 @@ class TieredStore:
         self._check_open()
         parts: list[LoadPart] = []
         reads: list[RecordRead] = []
+        blocked = False
         for location in run:
             record = location.record
             if parts and parts[-1].name == record.name and location.position == parts[-1].position + parts[-1].count:
@@ -301,14 +305,15 @@ class TieredStore:
                 continue
             part = self._open_part(record, location.position)
             if part is None:
+                blocked = self.memory.is_filling(record.name)
                 break
             parts.append(part)
             if part.read is not None:
                 reads.append(part.read)
         self.counters.add(loads=1, load_records=len(reads))
         if not reads:
-            return Load(parts, resolved(None))
-        return Load(parts, self._loader.read(reads, timeout_s or self.config.load_timeout_s))
+            return Load(parts, resolved(None), blocked)
+        return Load(parts, self._loader.read(reads, timeout_s or self.config.load_timeout_s), blocked)
 
     def view(self, part: LoadPart) -> torch.Tensor:
         """The part's blocks in its slot, `[count, *block shape]` (valid until closed)."""

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import redis
-from offload_workloads import CHUNK, counters, delta, generate, hf_greedy, random_prompts
+from offload_workloads import (
+    CHUNK,
+    counters,
+    delta,
+    generate,
+    greedy,
+    hf_greedy,
+    one_by_one,
+    random_prompts,
+)
 
 from engine import LLM
 from kvstore.compression import Codec
@@ -85,6 +94,26 @@ def test_a_fresh_instance_reads_redis_under_empty_cpu_and_disk_tiers(tiny_model_
     assert stats["kv_external_hit_tokens_redis"] > 0
     assert stats["kv_external_hit_tokens_disk"] == 0
     assert stats["kv_tiers"]["redis"]["bytes_read"] > 0
+
+
+def test_requests_sharing_a_stored_prefix_each_load_all_of_it_when_they_come_together(tiny_model_factory, tmp_path):
+    """Two requests whose prompts share a stored chunk arrive together at an instance
+    that has it only on disk: the first to be admitted reads that chunk; the other waits
+    for the read instead of recomputing the whole prompt."""
+    model = tiny_model_factory()
+    shared_prefix, *tails = random_prompts([3 * CHUNK, 40, 50], vocab_size=480, seed=27)
+    prompts = [shared_prefix + tail for tail in tails]
+    expected = hf_greedy(model, prompts, [5, 5])
+    options = {**POOL, "kv_offload": "cpu,disk", "kv_offload_disk_path": str(tmp_path)}
+    with LLM(model=model, **options) as writer:
+        assert one_by_one(writer, prompts, 5) == expected
+        assert writer.engine.connector.store.drain(30)
+    with LLM(model=model, **options) as reader:  # an empty cpu tier: every record is on disk
+        outputs = reader.generate(prompts, greedy(5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for output in outputs:  # every full block before the last token: from disk, or loaded by the other
+        assert output.metrics.num_cached_tokens == (len(output.prompt_token_ids) - 1) // 16 * 16
+        assert output.metrics.num_external_tokens > 0
 
 
 def test_lz4_records_through_the_engine(tiny_model_factory, redis_url, tmp_path):
