@@ -73,7 +73,8 @@ class Loader:
     async def _run(self, reads: list[RecordRead], timeout_s: float, future: Future[None]) -> None:
         try:
             asking: list[RecordTier] = []  # the tier being read, while it is
-            task = asyncio.ensure_future(self._fill(reads, asking))
+            # tracked, so that closing the store cancels it even after its wait timed out
+            task = self._parts.runtime.task(self._fill(reads, asking))
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not done:
                 log.warning("kvstore load timed out after %.3fs; missing records are misses", timeout_s)

@@ -77,6 +77,10 @@ class IoRuntime:
         """Run `coro` as a tracked task (cancelled at close); callable from any thread."""
         self.loop.call_soon_threadsafe(self._track, coro)
 
+    def task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """`coro` as a tracked task (cancelled at close); call it on the loop's thread."""
+        return self._track(coro)
+
     def supervise(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         self.spawn(self._supervised(name, factory))
 
@@ -100,10 +104,11 @@ class IoRuntime:
         self.loop.call_soon(self._ready.set)
         self.loop.run_forever()
 
-    def _track(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _track(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _supervised(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         delay = RESTART_DELAY_S

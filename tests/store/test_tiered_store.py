@@ -406,6 +406,29 @@ def test_close_finishes_pending_writes(open_store):
     assert again.lookup([record_key(again, i) for i in range(20)]).num_chunks == 20
 
 
+def test_close_cancels_a_load_still_reading(open_store):
+    store = open_store("disk")
+    save_chunks(store, [0])
+    disk, gate, cancelled = store.lower[0], threading.Event(), threading.Event()
+
+    async def stuck_get(names, regions):
+        try:
+            await asyncio.to_thread(gate.wait, 10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [None] * len(names)
+
+    disk.get = stuck_get
+    try:
+        load = store.open_load(store.locate(sequence(0, BLOCKS), 0, BLOCKS))
+        assert load.num_blocks == BLOCKS and not load.done()
+        store.close(timeout_s=1)
+        assert cancelled.is_set() and load.future.done() and load.arrived_blocks() == 0
+    finally:
+        gate.set()
+
+
 def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory):
     server = redis_factory()
     store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, redis_op_timeout_s=30)
