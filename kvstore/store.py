@@ -101,8 +101,8 @@ class LoadPart:
 class Load:
     """Records opened for one load, in block order; `future` is done when every read is
     (at once when they all were in the cpu tier). `blocked`: the load stops short at a
-    record that another read or a save is filling into the cpu tier, so opening it again
-    once that is in covers more."""
+    record that another load or a prefetch is reading into the cpu tier, so opening it
+    again once that read is settled covers more."""
 
     parts: list[LoadPart]
     future: Future[None]
@@ -173,6 +173,7 @@ class TieredStore:
         self.counters = StoreCounters()
         self._closed = False
         self._prefetches: list[tuple[Future[None], list[RecordRead]]] = []
+        self._reading: dict[str, RecordRead] = {}  # started, not settled yet
         self._runtime = IoRuntime()
         self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self._runtime, self.counters)
         self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes)
@@ -305,7 +306,7 @@ class TieredStore:
                 continue
             part = self._open_part(record, location.position)
             if part is None:
-                blocked = self.memory.is_filling(record.name)
+                blocked = self._being_read(record.name)
                 break
             parts.append(part)
             if part.read is not None:
@@ -441,6 +442,7 @@ class TieredStore:
                 slot = self.memory.reserve(key.name)
                 if slot >= 0:
                     read = RecordRead(key.name, key.first_block, key.num_blocks, key.block_hashes, slot, None)
+                    self._reading[key.name] = read
                 else:
                     slot = None
             held.append(slot)
@@ -577,7 +579,15 @@ class TieredStore:
         slot = self.memory.reserve(record.name)
         if slot in (ALREADY_PRESENT, NO_ROOM):
             return None
-        return RecordRead(record.name, record.first_block, record.num_blocks, tuple(record.block_hashes), slot, candidates)
+        read = RecordRead(record.name, record.first_block, record.num_blocks, tuple(record.block_hashes), slot, candidates)
+        self._reading[record.name] = read
+        return read
+
+    def _being_read(self, name: str) -> bool:
+        """Whether a read of `name` is under way or arrived and not settled yet (one that
+        failed or timed out is not waited for)."""
+        read = self._reading.get(name)
+        return read is not None and read.state in (ReadState.PENDING, ReadState.OK)
 
     def _settle_reads(self, reads: Sequence[RecordRead]) -> None:
         """Done reads: keep the records that arrived in the cpu tier (or free their slot
@@ -585,6 +595,7 @@ class TieredStore:
         loader's to free."""
         keep = self.memory.retain and self.config.promote
         for read in reads:
+            self._reading.pop(read.name, None)
             if read.state is ReadState.OK and keep:
                 self.memory.commit(read.slot)
                 self.memory.release(read.slot)

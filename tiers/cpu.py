@@ -181,12 +181,6 @@ class CpuTier(Tier):
             self._slot_name[slot] = None
             self._unref_locked(slot)
 
-    def is_filling(self, name: str) -> bool:
-        """Whether a slot is reserved for `name` and not committed yet (a read or a save
-        of that record is under way)."""
-        with self._lock:
-            return name in self._reserved
-
     def acquire(self, name: str) -> int | None:
         """Hold `name`'s committed slot (it is not evicted until `release`); a hit makes it
         the most recently used."""

@@ -406,10 +406,10 @@ def test_close_finishes_pending_writes(open_store):
     assert again.lookup([record_key(again, i) for i in range(20)]).num_chunks == 20
 
 
-def test_close_cancels_a_load_still_reading(open_store):
-    store = open_store("disk")
-    save_chunks(store, [0])
-    disk, gate, cancelled = store.lower[0], threading.Event(), threading.Event()
+def stuck_disk_reads(store: TieredStore) -> tuple[threading.Event, threading.Event]:
+    """Make the store's disk reads wait for the first event returned (then find nothing);
+    the second is set when a read is cancelled while it waits."""
+    gate, cancelled = threading.Event(), threading.Event()
 
     async def stuck_get(names, regions):
         try:
@@ -419,7 +419,33 @@ def test_close_cancels_a_load_still_reading(open_store):
             raise
         return [None] * len(names)
 
-    disk.get = stuck_get
+    store.lower[0].get = stuck_get
+    return gate, cancelled
+
+
+def test_a_load_of_a_record_another_load_is_reading_is_blocked_until_that_read_times_out(open_store):
+    store = open_store("disk", load_timeout_s=0.5)
+    save_chunks(store, [0])
+    gate, _cancelled = stuck_disk_reads(store)
+    run = lambda: store.locate(sequence(0, BLOCKS), 0, BLOCKS)  # noqa: E731
+    try:
+        first = store.open_load(run())
+        assert first.num_blocks == BLOCKS and not first.blocked
+        second = store.open_load(run())  # the record's slot is the first load's
+        assert second.num_blocks == 0 and second.blocked
+        first.future.result(5)  # timed out: not worth waiting for any more
+        third = store.open_load(run())
+        assert third.num_blocks == 0 and not third.blocked
+        for load in (first, second, third):
+            store.close_load(load)
+    finally:
+        gate.set()
+
+
+def test_close_cancels_a_load_still_reading(open_store):
+    store = open_store("disk")
+    save_chunks(store, [0])
+    gate, cancelled = stuck_disk_reads(store)
     try:
         load = store.open_load(store.locate(sequence(0, BLOCKS), 0, BLOCKS))
         assert load.num_blocks == BLOCKS and not load.done()
