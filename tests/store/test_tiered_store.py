@@ -426,15 +426,15 @@ def stuck_disk_reads(store: TieredStore) -> tuple[threading.Event, threading.Eve
 def test_a_load_of_a_record_another_load_is_reading_is_blocked_until_that_read_times_out(open_store):
     store = open_store("disk", load_timeout_s=0.5)
     save_chunks(store, [0])
-    gate, _cancelled = stuck_disk_reads(store)
-    run = lambda: store.locate(sequence(0, BLOCKS), 0, BLOCKS)  # noqa: E731
+    gate, _ = stuck_disk_reads(store)
+    hashes = sequence(0, BLOCKS)
     try:
-        first = store.open_load(run())
+        first = store.open_load(store.locate(hashes, 0, BLOCKS))
         assert first.num_blocks == BLOCKS and not first.blocked
-        second = store.open_load(run())  # the record's slot is the first load's
+        second = store.open_load(store.locate(hashes, 0, BLOCKS))  # the record's slot is the first load's
         assert second.num_blocks == 0 and second.blocked
         first.future.result(5)  # timed out: not worth waiting for any more
-        third = store.open_load(run())
+        third = store.open_load(store.locate(hashes, 0, BLOCKS))
         assert third.num_blocks == 0 and not third.blocked
         for load in (first, second, third):
             store.close_load(load)
