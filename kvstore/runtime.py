@@ -75,11 +75,14 @@ class IoRuntime:
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` as a tracked task (cancelled at close); callable from any thread."""
-        self.loop.call_soon_threadsafe(self._track, coro)
+        self.loop.call_soon_threadsafe(self.task, coro)
 
     def task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """`coro` as a tracked task (cancelled at close); call it on the loop's thread."""
-        return self._track(coro)
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def supervise(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         self.spawn(self._supervised(name, factory))
@@ -103,12 +106,6 @@ class IoRuntime:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
         self.loop.run_forever()
-
-    def _track(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = self.loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _supervised(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         delay = RESTART_DELAY_S
