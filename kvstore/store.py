@@ -180,7 +180,7 @@ class TieredStore:
         self._loader = Loader(self._parts)
         self._writer.start(self.config.write_workers)
         listable = [t for t in self.lower if self._scan_now(t)]
-        for tier in self.tiers:
+        for tier in [memory, *self.lower]:  # the memory tier's, whether it retains or stages
             for name, factory in tier.workers():
                 self._runtime.supervise(name, factory)
         if listable:

@@ -4,11 +4,13 @@ and slots that keep nothing without the tier."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import sys
 
 import pytest
 
-from tiers import CpuTier, PinTable, TierConfigError
-from tiers.cpu import ALREADY_PRESENT, NO_ROOM, SLOT_ALIGN
+from tiers import CpuTier, PinTable, TierConfigError, cpu
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, PAGE_BYTES, SLOT_ALIGN
 
 SLOT = 256
 
@@ -146,3 +148,57 @@ def test_clear_by_prefix_spares_pins():
     pins.pin(["m1-b"])
     assert asyncio.run(tier.clear("m1-")) == 1
     assert [tier.has(k) for k in ("m1-a", "m1-b", "m2-a")] == [False, True, True]
+
+
+def resident_fraction(tier: CpuTier, start: int, end: int) -> float:
+    """Of the whole pages inside slab bytes [start, end), the fraction in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    base = tier.slab.data_ptr()
+    first = -(-(base + start) // PAGE_BYTES) * PAGE_BYTES
+    pages = ((base + end) // PAGE_BYTES * PAGE_BYTES - first) // PAGE_BYTES
+    flags = ctypes.create_string_buffer(pages)
+    assert libc.mincore(first, pages * PAGE_BYTES, flags) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in flags.raw) / pages
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pages are populated ahead on Linux only")
+def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_bytes(monkeypatch):
+    mib = 1 << 20
+    monkeypatch.setattr(cpu, "POPULATE_AHEAD_BYTES", 8 * mib)
+    monkeypatch.setattr(cpu, "POPULATE_PIECE_BYTES", 2 * mib)
+    monkeypatch.setattr(cpu, "POPULATE_POLL_S", 0.005)
+    tier = CpuTier(64 * mib, mib, pin_memory=False)  # big enough to be freshly mapped
+    (name, populate), = tier.workers()
+    assert name == "cpu-populate" and tier.populated_bytes == 0
+    assert resident_fraction(tier, 0, 64 * mib) == 0
+
+    async def until(condition) -> None:
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("the populator did not get there")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(populate())
+        await until(lambda: tier.populated_bytes == 8 * mib)
+        tier.buffer(20)[:4] = b"kept"  # a slot past the frontier written before its turn
+        for n in range(20):
+            assert tier.reserve(f"r{n}") == n
+        await until(lambda: tier.populated_bytes == 28 * mib)
+        await asyncio.sleep(0.05)  # and no further than the slots in use plus the lead
+        assert tier.populated_bytes == 28 * mib
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert resident_fraction(tier, 0, 28 * mib) == 1
+    assert resident_fraction(tier, 29 * mib, 64 * mib) == 0
+    assert bytes(tier.buffer(20)[:4]) == b"kept"
+
+
+def test_pinned_or_touched_memory_needs_no_populator():
+    tier = make_tier(4)
+    tier.touch_pages(4 * SLOT)
+    assert tier.populated_bytes == 4 * SLOT
+    assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to do
