@@ -77,6 +77,9 @@ class KVStoreConnector:
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         self.planner.allocated(request, block_ids, num_external_tokens)
+        planned = self.planner.loading.get(request.request_id)
+        if planned is not None:
+            self.worker.copy_on_arrival(planned)
 
     def build_meta(self, output: ScheduledBatch) -> StepMeta:
         meta = self.planner.build(output)
@@ -90,9 +93,11 @@ class KVStoreConnector:
         return self.planner.take_load_tiers(request_id)
 
     def request_preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        self.worker.seal(request.request_id)  # before its blocks are freed
         self.planner.preempted(request, block_ids)
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        self.worker.seal(request.request_id)
         self.planner.forget(request.request_id)
 
     def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 import kernels
+from kvstore import host_copy
 
 
 class CopyEvent:
@@ -71,6 +72,18 @@ class BlockCopier:
         event = self._record()
         event.wait()
         return event
+
+    @property
+    def copies_from_any_thread(self) -> bool:
+        """Whether `to_device_off_engine_thread` may be used: the cache is host memory (a
+        CUDA copy belongs on the side stream, issued by the engine thread)."""
+        return self.stream is None
+
+    def to_device_off_engine_thread(self, src: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """`to_device` on a CPU cache from another thread: one memcpy per run of blocks,
+        no torch thread team of its own (it would oversubscribe the engine's cores)."""
+        for start, end, block in block_runs(block_ids):
+            host_copy(self.kv_cache[block : block + end - start], src[start:end])
 
     def from_device(self, block_ids: Sequence[int], dst: torch.Tensor) -> CopyEvent:
         """Copy device blocks `block_ids` into `dst[j]`; the compute stream waits for it

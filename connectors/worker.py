@@ -3,15 +3,22 @@ between the store's host slots and the device KV cache, one copy each way.
 
 - A load: every part of it (a run of blocks of one record, in a slot) is copied slot ->
   device blocks, up to the blocks that arrived; then the load is closed (a record read
-  from disk or Redis stays in the cpu tier, in the slot it was read into).
+  from disk or Redis stays in the cpu tier, in the slot it was read into). On a CPU
+  cache, the parts of an asynchronous load are copied as they arrive, on the store's I/O
+  thread, while the request waits for the others (`copy_on_arrival`); the step copies
+  only what was in before. The request owns its device blocks until it is freed, and
+  every copy into them ends before `seal` returns, which runs before they are freed or
+  read.
 - A save: a slot is reserved for the record, the device blocks are copied into its
   payload, and once that copy is done the slot is committed (cpu tier, write-behind).
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,25 +35,71 @@ class WorkerCounters:
     save_copy_seconds: float = 0.0  # device blocks -> slots
 
 
+@dataclass(eq=False)
+class ArrivalCopies:
+    """The parts of one asynchronous load already copied into its device blocks."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    copied: set[int] = field(default_factory=set)  # part indexes
+    sealed: bool = False  # no more copies: the load is being copied by the step, or dropped
+
+
 class Worker:
     def __init__(self, store: TieredStore, kv_cache: torch.Tensor, block_size: int) -> None:
         self.store = store
         self.block_size = block_size
         self.copier = BlockCopier(kv_cache)
         self.counters = WorkerCounters({name: 0 for name in store.tier_names})
+        self._arriving: dict[str, ArrivalCopies] = {}  # by request id
+
+    def copy_on_arrival(self, planned: PlannedLoad) -> None:
+        """Copy each part of an admitted asynchronous load into its device blocks as soon
+        as it arrives (CPU cache only), until `seal`."""
+        if not self.copier.copies_from_any_thread:
+            return
+        load: Load = planned.load  # type: ignore[assignment]
+        copies = self._arriving[planned.request_id] = ArrivalCopies()
+        offsets = list(itertools.accumulate((part.count for part in load.parts), initial=0))
+
+        def arrived(index: int) -> None:
+            part, first = load.parts[index], offsets[index]
+            with copies.lock:
+                count = min(part.count, planned.promised_blocks - first)
+                if copies.sealed or count <= 0:
+                    return
+                block_ids = planned.block_ids[first : first + count]
+                self.copier.to_device_off_engine_thread(self.store.view(part)[:count], block_ids)
+                copies.copied.add(index)
+
+        load.on_arrival(arrived)
+
+    def seal(self, request_id: str) -> set[int]:
+        """Stop copying the request's load as it arrives; once this returns no such copy
+        is running. The indexes of the parts copied."""
+        copies = self._arriving.pop(request_id, None)
+        if copies is None:
+            return set()
+        with copies.lock:
+            copies.sealed = True
+            return copies.copied
 
     def load(self, planned: PlannedLoad) -> None:
-        """Copy the blocks of a done load that arrived into its device blocks, then close it."""
+        """Copy the blocks of a done load that arrived into its device blocks (but for the
+        parts copied as they arrived), then close it."""
         started = time.perf_counter()
         load: Load = planned.load  # type: ignore[assignment]
+        copied = self.seal(planned.request_id)
         left = planned.promised_blocks
         event = None
         offset = 0
-        for part in load.parts:
+        for index, part in enumerate(load.parts):
             if left <= 0 or part.tier is None:
                 break
             count = min(part.count, left)
-            event = self.copier.to_device(self.store.view(part)[:count], planned.block_ids[offset : offset + count])
+            if index not in copied:
+                event = self.copier.to_device(
+                    self.store.view(part)[:count], planned.block_ids[offset : offset + count]
+                )
             tokens = count * self.block_size
             self.counters.loaded_tokens_by_tier[part.tier] = self.counters.loaded_tokens_by_tier.get(part.tier, 0) + tokens
             self.counters.loaded_tokens += tokens

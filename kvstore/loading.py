@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -57,6 +57,7 @@ class RecordRead:
     candidates: tuple[str, ...] | None  # tiers believed to hold it; None: every record tier
     tier: str | None = None  # where it came from
     state: ReadState = ReadState.PENDING
+    on_arrival: Callable[[], None] | None = None  # called on the I/O thread once verified
 
 
 class Loader:
@@ -129,6 +130,8 @@ class Loader:
         for read, record in zip(ask, records, strict=True):
             if self._settle(tier, read, record, bad):
                 read.tier = tier.name
+                if read.on_arrival is not None:
+                    read.on_arrival()
         return bad
 
     def _settle(self, tier: RecordTier, read: RecordRead, record: Buffer | None, bad: list[str]) -> bool:

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +114,14 @@ class Load:
 
     def done(self) -> bool:
         return self.future.done()
+
+    def on_arrival(self, callback: Callable[[int], None]) -> None:
+        """From now on, call `callback(part index)` on the store's I/O thread as each part
+        still being read arrives, verified, in its slot (before the load is done; a part
+        already in, or from the cpu tier, is not reported). The callback must not block."""
+        for index, part in enumerate(self.parts):
+            if part.read is not None:
+                part.read.on_arrival = lambda index=index: callback(index)
 
     def arrived_blocks(self) -> int:
         """Blocks of the leading run of parts that arrived (once done)."""

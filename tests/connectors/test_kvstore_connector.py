@@ -3,7 +3,9 @@ drive it, over a small device cache filled with known values (no model)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 import time
 from pathlib import Path
 
@@ -202,6 +204,56 @@ def test_async_disk_load_reports_what_arrived_and_is_copied_in_the_next_step(cac
     run_step(connector, [], [])
     assert block_values(cache, table[:5]) == [0, 1, 2, 3, 4]
     assert connector.stats()["kv_external_hit_tokens_disk"] == 20
+    connector.close()
+
+
+def held_disk_reads(connector: KVStoreConnector) -> threading.Event:
+    """Make the disk tier's reads wait until the returned event is set, then read."""
+    gate = threading.Event()
+    disk = connector.store.lower[0]
+    read = disk.get
+
+    async def held_get(names, regions):
+        await asyncio.to_thread(gate.wait, 10)
+        return await read(names, regions)
+
+    disk.get = held_get
+    return gate
+
+
+def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_before_the_step(cache, tmp_path):
+    connector = make_connector(cache, tmp_path, tiers="disk")
+    compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
+    gate = held_disk_reads(connector)
+    request = make_request("b", 21)
+    table = [30, 31, 32, 33, 34, 35]
+    assert admit(connector, request, 0, table) == (20, True)
+    gate.set()
+    assert wait_for_load(connector, "b") == 20
+    assert block_values(cache, table) == [0, 1, 2, 3, 4, 35]  # no step has run since
+    run_step(connector, [], [])
+    assert block_values(cache, table) == [0, 1, 2, 3, 4, 35]
+    stats = connector.stats()
+    assert stats["kv_loaded_tokens"] == stats["kv_external_hit_tokens_disk"] == 20
+    assert connector.store.memory.slots_in_use == 0
+    connector.close()
+
+
+def test_records_arriving_after_their_request_left_never_write_its_freed_blocks(cache, tmp_path):
+    connector = make_connector(cache, tmp_path, tiers="disk")
+    compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
+    gate = held_disk_reads(connector)
+    request = make_request("b", 21)
+    table = [30, 31, 32, 33, 34, 35]
+    assert admit(connector, request, 0, table) == (20, True)
+    connector.request_finished(request, table)
+    gate.set()
+    deadline = time.monotonic() + 5
+    while connector.store.memory.slots_in_use and time.monotonic() < deadline:
+        assert connector.get_finished() == {}
+        time.sleep(0.01)
+    assert connector.store.memory.slots_in_use == 0
+    assert block_values(cache, table) == [30, 31, 32, 33, 34, 35]
     connector.close()
 
 
