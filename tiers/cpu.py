@@ -3,7 +3,9 @@ cpu tier) the committed slots are kept, in LRU order within the byte budget.
 
 The slab is allocated once (pinned when CUDA exists, so device copies can be
 asynchronous; cupy's pinned allocator when installed, because torch's caching host
-allocator rounds a request up to a power of two). A slot holds one record in wire
+allocator rounds a request up to a power of two); a plain slab hands out fresh slots in
+order and has their pages faulted in ahead of use by a store worker (`cpu-populate`), so
+that no save pays page faults in the engine's step. A slot holds one record in wire
 layout (kvstore.record: header, payload, room for the MAC); the store decides the
 layout, this module only hands out slots and counts references.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -48,6 +51,13 @@ class PagePopulateError(OSError):
     """The kernel cannot populate pages ahead of use (madvise refused it)."""
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def populate_pages(tensor: torch.Tensor) -> None:
     """Fault in the pages of `tensor`'s memory, writable, without writing them: their
     contents are kept, so this is safe while other threads write there, and so is the
@@ -58,9 +68,7 @@ def populate_pages(tensor: torch.Tensor) -> None:
         return
     start = tensor.data_ptr() // PAGE_BYTES * PAGE_BYTES
     end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE_BYTES) * PAGE_BYTES
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+    if _libc().madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
         errno = ctypes.get_errno()
         raise PagePopulateError(errno, f"madvise(MADV_POPULATE_WRITE) failed: errno {errno}")
 
