@@ -57,7 +57,11 @@ def test_more_prompts_than_the_queue_holds_is_a_400(one_slot_server):
 
 @pytest.fixture(scope="module")
 def three_slot_server(model_path):
-    process = ServerProcess(*server_flags(model_path, "--max-num-seqs", "2", "--max-waiting-requests", "1"))
+    # Room for a stream that outlasts the test's requests: 200 tokens of the tiny model
+    # can be done before a slow machine has sent the next two requests.
+    process = ServerProcess(*server_flags(
+        model_path, "--max-num-seqs", "2", "--max-waiting-requests", "1", "--max-model-len", "4096",
+    ))
     yield process
     process.stop()
 
@@ -71,7 +75,8 @@ def engine_requests_seen(url: str) -> float:
 
 def test_a_completion_is_admitted_whole_or_not_at_all(three_slot_server):
     url = three_slot_server.url
-    with httpx.stream("POST", url + "/v1/completions", json=LONG_STREAM, timeout=30) as held:
+    longer = {**LONG_STREAM, "max_tokens": 3000}  # the client's close aborts it
+    with httpx.stream("POST", url + "/v1/completions", json=longer, timeout=30) as held:
         events = held.iter_lines()
         assert next(events).startswith("data: ")
         seen = engine_requests_seen(url)

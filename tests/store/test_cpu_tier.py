@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import mmap
 import sys
 
 import pytest
+import torch
 
 from tiers import CpuTier, PinTable, TierConfigError, cpu
 from tiers.cpu import ALREADY_PRESENT, NO_ROOM, PAGE_BYTES, SLOT_ALIGN
@@ -168,7 +170,10 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
     monkeypatch.setattr(cpu, "POPULATE_AHEAD_BYTES", 8 * mib)
     monkeypatch.setattr(cpu, "POPULATE_PIECE_BYTES", 2 * mib)
     monkeypatch.setattr(cpu, "POPULATE_POLL_S", 0.005)
-    tier = CpuTier(64 * mib, mib, pin_memory=False)  # big enough to be freshly mapped
+    # A fresh anonymous mapping: malloc may serve even 64 MiB from pages it kept.
+    mapping = mmap.mmap(-1, 64 * mib)
+    monkeypatch.setattr(cpu, "allocate_host", lambda nbytes, pin: (torch.frombuffer(mapping, dtype=torch.uint8), "plain"))
+    tier = CpuTier(64 * mib, mib, pin_memory=False)
     (name, populate), = tier.workers()
     assert name == "cpu-populate" and tier.populated_bytes == 0
     assert resident_fraction(tier, 0, 64 * mib) == 0
