@@ -183,11 +183,7 @@ def test_an_aborted_load_never_writes_the_device_cache(cache, tmp_path, tiers):
     assert num_external == 20
     connector.request_finished(request, table)
     run_step(connector, [], [])
-    deadline = time.monotonic() + 5
-    while connector.store.memory.slots_in_use and time.monotonic() < deadline:
-        assert connector.get_finished() == {}
-        time.sleep(0.01)
-    assert connector.store.memory.slots_in_use == 0, "the abandoned load's slots were never given back"
+    wait_until_abandoned_slots_are_free(connector)
     assert block_values(cache, table) == [30, 31, 32, 33, 34, 35]
     connector.close()
 
@@ -221,13 +217,31 @@ def held_disk_reads(connector: KVStoreConnector) -> threading.Event:
     return gate
 
 
-def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_before_the_step(cache, tmp_path):
+def admitted_while_reads_are_held(
+    cache: torch.Tensor, tmp_path: Path
+) -> tuple[KVStoreConnector, Request, list[int], threading.Event]:
+    """A disk-only connector holding a saved prompt, and request "b" for the same prompt
+    admitted into blocks 30-35 with its disk reads held (set the event to release them)."""
     connector = make_connector(cache, tmp_path, tiers="disk")
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
     gate = held_disk_reads(connector)
     request = make_request("b", 21)
     table = [30, 31, 32, 33, 34, 35]
     assert admit(connector, request, 0, table) == (20, True)
+    return connector, request, table, gate
+
+
+def wait_until_abandoned_slots_are_free(connector: KVStoreConnector) -> None:
+    """Until a dropped load's reads are done and its slots given back (it reports nothing)."""
+    deadline = time.monotonic() + 5
+    while connector.store.memory.slots_in_use and time.monotonic() < deadline:
+        assert connector.get_finished() == {}
+        time.sleep(0.01)
+    assert connector.store.memory.slots_in_use == 0, "the abandoned load's slots were never given back"
+
+
+def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_before_the_step(cache, tmp_path):
+    connector, _, table, gate = admitted_while_reads_are_held(cache, tmp_path)
     gate.set()
     assert wait_for_load(connector, "b") == 20
     assert block_values(cache, table) == [0, 1, 2, 3, 4, 35]  # no step has run since
@@ -240,19 +254,10 @@ def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_bef
 
 
 def test_records_arriving_after_their_request_left_never_write_its_freed_blocks(cache, tmp_path):
-    connector = make_connector(cache, tmp_path, tiers="disk")
-    compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
-    gate = held_disk_reads(connector)
-    request = make_request("b", 21)
-    table = [30, 31, 32, 33, 34, 35]
-    assert admit(connector, request, 0, table) == (20, True)
+    connector, request, table, gate = admitted_while_reads_are_held(cache, tmp_path)
     connector.request_finished(request, table)
     gate.set()
-    deadline = time.monotonic() + 5
-    while connector.store.memory.slots_in_use and time.monotonic() < deadline:
-        assert connector.get_finished() == {}
-        time.sleep(0.01)
-    assert connector.store.memory.slots_in_use == 0
+    wait_until_abandoned_slots_are_free(connector)
     assert block_values(cache, table) == [30, 31, 32, 33, 34, 35]
     connector.close()
 
