@@ -5,8 +5,9 @@ Layout: `<root>/<last two characters of the key>/<key>.kvc`. A write goes to a t
 (in this or another process) sees either no file or a complete one. Records are content
 addressed, so two processes writing the same key write the same bytes and the rename is
 idempotent. A file removed by another process is a miss, not an error. A batch is read
-or written by at most `io_jobs` executor jobs (aiofiles.os.wrap), each handling a group
-of records, with at most `io_jobs` jobs in flight per tier.
+or written by at most `io_jobs` thread jobs, each handling a group of records, with at
+most `io_jobs` reads and `io_jobs` writes in flight per tier: reads (a request waits
+for them) run on the read threads (tiers.read_threads) and never queue behind writes.
 
 The in-memory index (key -> size, LRU order) is rebuilt from the directory at start
 (oldest mtime first), reading the first `head_bytes` of every record so that the store
@@ -54,6 +55,7 @@ from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key, split_ev
 from tiers.errors import TierConfigError
 from tiers.lru import LruIndex
 from tiers.pins import PinTable
+from tiers.read_threads import in_read_thread
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -107,7 +109,8 @@ class DiskTier(RecordTier):
         self._removed: list[str] = []
         self._unscanned = Scan()
         self._jobs = io_jobs
-        self._io_slots = asyncio.Semaphore(io_jobs)
+        self._read_slots = asyncio.Semaphore(io_jobs)
+        self._write_slots = asyncio.Semaphore(io_jobs)
         self.removed_tmp_files = 0
         self.rebuild()
 
@@ -428,11 +431,11 @@ class DiskTier(RecordTier):
     async def _read_group(
         self, jobs: list[tuple[Path, memoryview | None]]
     ) -> list[Buffer | OSError]:
-        async with self._io_slots:
-            return await _read_files(jobs, self.direct_io)
+        async with self._read_slots:
+            return await in_read_thread(_read_files_sync, jobs, self.direct_io)
 
     async def _write_group(self, group: list[tuple[int, str, Buffer, int]]) -> list[OSError | None]:
-        async with self._io_slots:
+        async with self._write_slots:
             return await _write_files(
                 [(self.path(key), data) for _, key, data, _ in group], self.fsync, self.direct_io
             )
@@ -545,7 +548,7 @@ def _write_file_atomically(path: Path, data: Buffer, fsync: str, direct: bool) -
 
 # One executor job per group of records: aiofiles' file objects take one hop per call
 # (open, read or write, close, rename), which costs more than the I/O of a 1 MiB record.
-_read_files = aiofiles.os.wrap(_read_files_sync)
+# Reads run on the read threads instead (tiers.read_threads).
 _write_files = aiofiles.os.wrap(_write_files_sync)
 
 

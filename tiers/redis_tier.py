@@ -47,6 +47,7 @@ from redis.retry import Retry
 from tiers.base import Buffer, IndexEntry, RecordTier, Worker
 from tiers.health import Health
 from tiers.pins import PinTable
+from tiers.read_threads import in_read_thread
 from tiers.redis_url import RedisTarget, parse_redis_url
 from tiers.resp import BulkReader
 
@@ -117,17 +118,17 @@ class RedisTier(RecordTier):
         start = time.perf_counter()
         if into is not None and self._reader is not None:
             names = [self.key_prefix + key for key in keys]
-            sizes = await self._guarded(lambda: self._reader.get_into(names, into), None)
+            sizes = await self._guarded(lambda: self._reader.get_into(names, into), None, read=True)
             if sizes is None:
                 return [None] * len(keys)
             self.counters.add(bytes_read=sum(s for s in sizes if s))
             self.counters.observe_get(time.perf_counter() - start)
             return [into[i][:size] if size else None for i, size in enumerate(sizes)]
         if into is None:
-            replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
+            replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key), read=True)
         else:
             replies = await self._pipelined(
-                keys, lambda pipe, i, key: pipe.getrange(key, 0, into[i].nbytes - 1)
+                keys, lambda pipe, i, key: pipe.getrange(key, 0, into[i].nbytes - 1), read=True
             )
         if replies is None:
             return [None] * len(keys)
@@ -148,7 +149,7 @@ class RedisTier(RecordTier):
         replies = await self._pipelined(
             [self.index_prefix + n for n in names],
             lambda pipe, _, key: pipe.getrange(key, 0, INDEX_VALUE_BYTES - 1),
-            prefixed=True,
+            prefixed=True, read=True,  # a request waits for the probe that asks
         )
         return [None] * len(names) if replies is None else [r or None for r in replies]
 
@@ -277,10 +278,11 @@ class RedisTier(RecordTier):
         return run_ids, capacity, usage, entries
 
     async def _pipelined(
-        self, keys: Sequence[str], add: Callable[[Any, int, str], Any], prefixed: bool = False
+        self, keys: Sequence[str], add: Callable[[Any, int, str], Any], prefixed: bool = False,
+        read: bool = False,
     ) -> list | None:
         """Run `add(pipe, index, prefixed_key)` per key in one pipeline; None if Redis
-        failed. `prefixed`: the keys already carry their prefix."""
+        failed. `prefixed`: the keys already carry their prefix; `read`: see `_guarded`."""
         if not keys:
             return []
         prefix = "" if prefixed else self.key_prefix
@@ -291,17 +293,20 @@ class RedisTier(RecordTier):
                     add(pipe, index, prefix + key)
                 return pipe.execute()
 
-        return await self._guarded(run, None)
+        return await self._guarded(run, None, read=read)
 
     async def _guarded(
-        self, op: Callable[[], T], fallback: T, force: bool = False, record_success: bool = True
+        self, op: Callable[[], T], fallback: T, force: bool = False, record_success: bool = True,
+        read: bool = False,
     ) -> T:
         """Run blocking `op` in an I/O thread under the timeout; failures are counted,
-        change health and give `fallback`."""
+        change health and give `fallback`. `read`: a read of records a request waits for,
+        run on the read threads (tiers.read_threads) rather than behind background work."""
         if not force and not self.health.available():
             return fallback
+        call = in_read_thread(op) if read else asyncio.to_thread(op)
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(op), self.op_timeout_s)
+            result = await asyncio.wait_for(call, self.op_timeout_s)
         except _FAILURES as exc:
             self.counters.add(errors=1)
             self.health.record_failure(exc)

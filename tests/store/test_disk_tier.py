@@ -6,7 +6,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -174,3 +176,27 @@ def test_clear_removes_only_the_prefix(tmp_path):
         True,
     ]
     assert tier.usage_bytes == 1000
+
+
+def test_a_read_never_queues_behind_writes_or_background_work(tmp_path):
+    """Every thread of the loop's default executor is busy and a write holds the tier's
+    only write slot: a read still goes through at once, on the read threads."""
+    tier = DiskTier(tmp_path, 100_000, io_jobs=1)
+    run(tier.put([("k-01", record(1))]))
+    release = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        background = loop.run_in_executor(None, release.wait, 10)
+        write = asyncio.ensure_future(tier.put([("k-02", record(2))]))
+        await asyncio.sleep(0.05)
+        try:
+            got = await asyncio.wait_for(tier.get(["k-01"]), 5)
+            write_was_waiting = not write.done()
+        finally:
+            release.set()
+        assert await write == [True] and await background
+        return got, write_was_waiting
+
+    assert run(main()) == ([record(1)], True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -199,3 +201,25 @@ def test_records_are_read_straight_into_the_callers_buffers(redis_factory):
         await tier.aclose()
 
     asyncio.run(main())
+
+
+def test_a_read_never_queues_behind_background_work(redis_url):
+    """Every thread of the loop's default executor is busy (puts, sealing and the
+    populator run there): a read into the caller's buffers still goes through at once."""
+    release = threading.Event()
+
+    async def main():
+        tier = RedisTier(redis_url)
+        assert await tier.put([("k-1", b"x" * 5000)]) == [True]
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        background = loop.run_in_executor(None, release.wait, 10)
+        try:
+            got = await asyncio.wait_for(tier.get(["k-1"], [memoryview(bytearray(6000))]), 5)
+        finally:
+            release.set()
+        assert await background
+        await tier.aclose()
+        return bytes(got[0])
+
+    assert asyncio.run(main()) == b"x" * 5000
