@@ -6,13 +6,15 @@ machine. Background work runs there too (sealing and writing saved records, Redi
 populating cpu slots, directory rescans), so a load's concurrent parts queued behind
 writes in flight, and even with nothing else running, a load's 8th part waited for one
 of the first 6 to finish. Reads go to a pool of their own, shared by every store of the
-process.
+process; a child the process forks starts a pool of its own (the parent's threads do
+not exist there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,15 @@ def _read_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 async def in_read_thread(read: Callable[..., T], *args: object) -> T:
