@@ -269,8 +269,9 @@ class StoreOptions(Options):
         "file (each record) or full (record and directory).",
         metavar="{" + ",".join(FSYNC_POLICIES) + "}", store="disk_fsync")
     kv_redis_url: str | None = option(
-        None, "Redis tier URL: redis://host:port, rediss://:password@host:port, or "
-        "redis+cluster://host:port,host:port.", metavar="URL", store="redis_url")
+        None, "Redis tier URL: redis://host:port, rediss://:password@host:port, "
+        "redis+cluster://host:port,host:port, or unix:///path/to/redis.sock (a Redis on this host).",
+        metavar="URL", store="redis_url")
     kv_redis_ttl: PositiveFloat | None = option(
         STORE_DEFAULT, "Seconds a Redis record lives (default: no expiry; Redis's eviction policy decides).",
         metavar="SECONDS", store="redis_ttl_s")

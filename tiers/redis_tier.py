@@ -40,6 +40,7 @@ from redis.connection import (
     Encoder,
     PythonRespSerializer,
     SSLConnection,
+    UnixDomainSocketConnection,
 )
 from redis.exceptions import RedisError
 from redis.retry import Retry
@@ -332,11 +333,13 @@ def _make_client(
         return RedisCluster(
             startup_nodes=nodes, ssl=target.ssl, retry=Retry(NoBackoff(), 1), **common
         )
-    host, port = target.nodes[0]
+    if target.socket_path is not None:
+        place: dict[str, Any] = {"connection_class": UnixDomainSocketConnection, "path": target.socket_path}
+    else:
+        host, port = target.nodes[0]
+        place = {"connection_class": SSLConnection if target.ssl else Connection, "host": host, "port": port}
     pool = ConnectionPool(
-        connection_class=SSLConnection if target.ssl else Connection,
-        host=host,
-        port=port,
+        **place,
         db=target.db,
         retry=Retry(NoBackoff(), 0),
         # redis-py's Python packer sends a big value as its own buffer; the hiredis packer

@@ -4,6 +4,8 @@
 - `rediss://...` (TLS)
 - `redis+cluster://[[user]:password@]host:port,host:port,...` (Redis Cluster seed nodes;
   `rediss+cluster://` for TLS). A cluster has only database 0.
+- `unix://[[user]:password@]/path/to/redis.sock[?db=N]` (a Redis on this host, through
+  its Unix socket: no TCP stack between the two processes).
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ class RedisTarget:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     db: int = 0
+    socket_path: str | None = None  # a Unix socket instead of `nodes`
 
     def describe(self) -> str:
         """The URL without credentials (safe to log)."""
+        if self.socket_path is not None:
+            return f"unix://{self.socket_path}?db={self.db}"
         scheme = ("rediss" if self.ssl else "redis") + ("+cluster" if self.cluster else "")
         hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
         return f"{scheme}://{hosts}/{self.db}"
@@ -40,9 +45,12 @@ class RedisTarget:
 
 def parse_redis_url(url: str) -> RedisTarget:
     scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() == "unix":
+        return _unix_target(rest, url)
     if not sep or scheme.lower() not in _SCHEMES:
         raise RedisUrlError(
-            f"unsupported Redis URL {_redact(url)!r}; use {', '.join(s + '://' for s in _SCHEMES)}"
+            f"unsupported Redis URL {_redact(url)!r}; use "
+            f"{', '.join(s + '://' for s in (*_SCHEMES, 'unix'))}"
         )
     cluster, ssl = _SCHEMES[scheme.lower()]
     if "?" in rest or "#" in rest:
@@ -57,6 +65,19 @@ def parse_redis_url(url: str) -> RedisTarget:
     if cluster and db:
         raise RedisUrlError("a Redis Cluster only has database 0")
     return RedisTarget(cluster, ssl, nodes, username, password, db)
+
+
+def _unix_target(rest: str, url: str) -> RedisTarget:
+    location, _, query = rest.partition("?")
+    userinfo, at, path = ("", "", location) if location.startswith("/") else location.partition("@")
+    username, password = _credentials(userinfo) if at else (None, None)
+    if not path.startswith("/") or path == "/":
+        raise RedisUrlError(f"a unix:// Redis URL needs the socket's absolute path: {_redact(url)!r}")
+    name, equals, value = query.partition("=")
+    if query and (name != "db" or not equals):
+        raise RedisUrlError(f"a unix:// Redis URL takes only ?db=N: {_redact(url)!r}")
+    db = _database(value, url) if query else 0
+    return RedisTarget(False, False, (), username, password, db, socket_path=unquote(path))
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:

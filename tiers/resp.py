@@ -92,12 +92,10 @@ class _Connection:
 
     @classmethod
     def open(cls, target: RedisTarget, timeout_s: float, connect_timeout_s: float) -> _Connection:
-        host, port = target.nodes[0]
-        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        sock = _connect(target, connect_timeout_s)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if target.ssl:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=target.nodes[0][0])
             sock.settimeout(timeout_s)
             connection = cls(sock)
             if target.password is not None:
@@ -170,3 +168,19 @@ class _Connection:
             if not got:
                 raise ConnectionError("Redis closed the connection")
             have += got
+
+
+def _connect(target: RedisTarget, timeout_s: float) -> socket.socket:
+    """A connected socket to the target's server: its Unix socket, or TCP without Nagle."""
+    if target.socket_path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(target.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection(target.nodes[0], timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

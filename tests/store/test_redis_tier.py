@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 
 from tiers import RedisTier, RedisUrlError, parse_redis_url
 
@@ -21,6 +22,9 @@ def test_url_forms():
     cluster = parse_redis_url("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002")
     assert cluster.cluster and cluster.password == "pw"
     assert cluster.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002))
+    local = parse_redis_url("unix://:p%40ss@/run/redis/redis.sock?db=3")
+    assert local.socket_path == "/run/redis/redis.sock" and local.nodes == () and local.db == 3
+    assert local.password == "p@ss" and "p@ss" not in local.describe()
 
 
 @pytest.mark.parametrize(
@@ -34,6 +38,9 @@ def test_url_forms():
         "redis://h/x",
         "redis+cluster://a:1,b:2/3",
         "redis://h:1?ssl=true",
+        "unix://relative/redis.sock",
+        "unix:///run/redis.sock?ssl=true",
+        "unix:///run/redis.sock?db=x",
     ],
 )
 def test_bad_urls_are_refused(url):
@@ -223,3 +230,24 @@ def test_a_read_never_queues_behind_background_work(redis_url):
         return bytes(got[0])
 
     assert asyncio.run(main()) == b"x" * 5000
+
+
+def test_records_over_a_unix_socket(redis_factory, tmp_path):
+    """A Redis on this host through its Unix socket: records read into the caller's
+    buffers (tiers.resp) and through redis-py's pipeline, AUTH and SELECT on both."""
+    socket_path = tmp_path / "r.sock"
+    redis_factory("--unixsocket", str(socket_path), "--requirepass", "s3cret")
+
+    async def main():
+        tier = RedisTier(f"unix://:s3cret@{socket_path}?db=2")
+        assert await tier.put([("k-1", b"x" * 5000), ("k-2", b"y" * 10)]) == [True, True]
+        assert await tier.contains(["k-1", "absent"]) == [True, False]
+        into = await tier.get(["k-1", "absent"], [memoryview(bytearray(6000)), memoryview(bytearray(10))])
+        whole = await tier.get(["k-2"])
+        assert tier.health.state == "healthy"
+        await tier.aclose()
+        return bytes(into[0]), into[1], whole
+
+    assert asyncio.run(main()) == (b"x" * 5000, None, [b"y" * 10])
+    db2 = redis.Redis(unix_socket_path=str(socket_path), password="s3cret", db=2)
+    assert db2.dbsize() > 0 and redis.Redis(unix_socket_path=str(socket_path), password="s3cret").dbsize() == 0
