@@ -94,6 +94,8 @@ class _Connection:
     def open(cls, target: RedisTarget, timeout_s: float, connect_timeout_s: float) -> _Connection:
         sock = _connect(target, connect_timeout_s)
         try:
+            if target.socket_path is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if target.ssl:
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=target.nodes[0][0])
             sock.settimeout(timeout_s)
@@ -171,16 +173,14 @@ class _Connection:
 
 
 def _connect(target: RedisTarget, timeout_s: float) -> socket.socket:
-    """A connected socket to the target's server: its Unix socket, or TCP without Nagle."""
-    if target.socket_path is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(target.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    sock = socket.create_connection(target.nodes[0], timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    """A socket connected to the target's server: its Unix socket, or TCP."""
+    if target.socket_path is None:
+        return socket.create_connection(target.nodes[0], timeout=timeout_s)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(target.socket_path)
+    except BaseException:
+        sock.close()
+        raise
     return sock
