@@ -92,8 +92,7 @@ def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> Cpu
     retain = "cpu" in config.tiers
     size = config.cpu_size if retain else config.staging_size
     try:
-        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain,
-                       page_at=codec.full_record_offset)
+        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain)
     except TierConfigError as exc:
         raise StoreConfigError(str(exc), "cpu_size" if retain else "staging_size") from exc
 

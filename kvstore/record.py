@@ -182,11 +182,6 @@ class RecordCodec:
         """Bytes enough to parse the header of any record of this spec (`parse_head`)."""
         return header_size(self.spec.blocks_per_chunk)
 
-    @property
-    def full_record_offset(self) -> int:
-        """Where a record of a whole chunk starts in its slot."""
-        return self.payload_offset - self.head_size
-
     def region(self, slot: memoryview, num_blocks: int) -> memoryview:
         """Where a record of `num_blocks` blocks lies in a slot: from its header start to
         the end of the slot (a tier reads a record into it)."""

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 ALREADY_PRESENT = -1
 NO_ROOM = -2
+SLOT_ALIGN = 64
 PAGE_BYTES = 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them
 POPULATE_AHEAD_BYTES = 512 << 20  # populated past the highest slot handed out so far
@@ -72,23 +73,18 @@ def populate_pages(tensor: torch.Tensor) -> None:
         raise PagePopulateError(errno, f"madvise(MADV_POPULATE_WRITE) failed: errno {errno}")
 
 
-def allocate_host(nbytes: int, pin: bool | None = None, page_at: int = 0) -> tuple[torch.Tensor, str]:
-    """A uint8 host tensor of `nbytes` whose byte `page_at` starts a page, and how it was
-    allocated ("cupy", "torch", "plain"). Pinned by default when CUDA exists."""
+def allocate_host(nbytes: int, pin: bool | None = None) -> tuple[torch.Tensor, str]:
+    """A uint8 host tensor of `nbytes` and how it was allocated ("cupy", "torch", "plain").
+    Pinned by default when CUDA exists."""
     if pin is None:
         pin = torch.cuda.is_available()
-    room = nbytes + PAGE_BYTES
     if not pin:
-        raw, allocation = torch.empty(room, dtype=torch.uint8), "plain"
-    else:
-        try:
-            import cupy
-        except ImportError:
-            raw, allocation = torch.empty(room, dtype=torch.uint8, pin_memory=True), "torch"
-        else:
-            raw, allocation = _cupy_pinned(cupy, room), "cupy"
-    shift = -(raw.data_ptr() + page_at) % PAGE_BYTES
-    return raw[shift : shift + nbytes], allocation
+        return torch.empty(nbytes, dtype=torch.uint8), "plain"
+    try:
+        import cupy
+    except ImportError:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "torch"
+    return _cupy_pinned(cupy, nbytes), "cupy"
 
 
 def _cupy_pinned(cupy: Any, nbytes: int) -> torch.Tensor:
@@ -109,19 +105,16 @@ class CpuTier(Tier):
         pins: PinTable | None = None,
         pin_memory: bool | None = None,
         retain: bool = True,
-        page_at: int = 0,
     ) -> None:
-        """`page_at`: the offset in every slot that starts a page. A full record placed
-        there can be read from and written to a file with direct I/O in place."""
         super().__init__(pins)
-        self.slot_bytes = -(-slot_bytes // PAGE_BYTES) * PAGE_BYTES
+        self.slot_bytes = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise TierConfigError(
                 f"cpu tier of {capacity_bytes} bytes cannot hold one {slot_bytes}-byte record"
             )
         self.retain = retain
-        self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory, page_at)
+        self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory)
         self._rows = self.slab.numpy().reshape(self.num_slots, self.slot_bytes)
         self._buffers: list[memoryview | None] = [None] * self.num_slots
         self._lock = threading.Lock()

@@ -8,17 +8,13 @@ import ctypes
 import mmap
 import sys
 
-import numpy as np
 import pytest
 import torch
 
-from kvstore.config import StoreConfig, build_memory
-from kvstore.record import RecordCodec
-from kvstore.spec import ChunkSpec
 from tiers import CpuTier, PinTable, TierConfigError, cpu
-from tiers.cpu import ALREADY_PRESENT, NO_ROOM, PAGE_BYTES
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, PAGE_BYTES, SLOT_ALIGN
 
-SLOT = PAGE_BYTES
+SLOT = 256
 
 
 def make_tier(slots: int, pins: PinTable | None = None, retain: bool = True) -> CpuTier:
@@ -48,9 +44,9 @@ def read(tier: CpuTier, name: str) -> int | None:
         tier.release(slot)
 
 
-def test_capacity_is_whole_slots_of_whole_pages():
+def test_capacity_is_whole_aligned_slots():
     tier = CpuTier(3 * SLOT + 10, SLOT - 5, pin_memory=False)
-    assert tier.slot_bytes == SLOT
+    assert tier.slot_bytes == SLOT and tier.slot_bytes % SLOT_ALIGN == 0
     assert tier.num_slots == 3 and tier.capacity_bytes == 3 * SLOT
     with pytest.raises(TierConfigError):
         CpuTier(10, SLOT, pin_memory=False)
@@ -176,7 +172,7 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
     monkeypatch.setattr(cpu, "POPULATE_POLL_S", 0.005)
     # A fresh anonymous mapping: malloc may serve even 64 MiB from pages it kept.
     mapping = mmap.mmap(-1, 64 * mib)
-    monkeypatch.setattr(cpu, "allocate_host", lambda nbytes, pin, page_at: (torch.frombuffer(mapping, dtype=torch.uint8), "plain"))
+    monkeypatch.setattr(cpu, "allocate_host", lambda nbytes, pin: (torch.frombuffer(mapping, dtype=torch.uint8), "plain"))
     tier = CpuTier(64 * mib, mib, pin_memory=False)
     (name, populate), = tier.workers()
     assert name == "cpu-populate" and tier.populated_bytes == 0
@@ -211,20 +207,3 @@ def test_a_slab_touched_at_start_leaves_the_populator_nothing_to_do():
     tier.touch_pages(4 * SLOT)
     assert tier.populated_bytes == 4 * SLOT
     assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to do
-
-
-def address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
-
-
-@pytest.mark.parametrize("page_at", [0, 48, 4000])
-def test_the_same_offset_of_every_slot_starts_a_page(page_at):
-    tier = CpuTier(5 * SLOT, SLOT - 100, pin_memory=False, page_at=page_at)
-    assert [address(tier.buffer(slot)[page_at:]) % PAGE_BYTES for slot in range(5)] == [0] * 5
-
-
-def test_a_stores_whole_chunk_records_start_on_a_page():
-    codec = RecordCodec(ChunkSpec(bytes(32), (2, 1, 2, 4, 1, 8), torch.float16, 8))
-    memory = build_memory(codec, StoreConfig(tiers=("cpu",), cpu_size=1 << 20), PinTable())
-    regions = [codec.region(memory.buffer(slot), codec.spec.blocks_per_chunk) for slot in range(memory.num_slots)]
-    assert {address(region) % PAGE_BYTES for region in regions} == {0}

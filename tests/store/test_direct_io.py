@@ -7,7 +7,6 @@ import asyncio
 import ctypes
 import mmap
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -101,49 +100,3 @@ def test_the_store_reads_the_disk_directly_only_below_a_cpu_tier(directory):
 
     assert disk_tier(("cpu", "disk")).direct_io
     assert not disk_tier(("disk",)).direct_io
-
-
-def page_aligned(size: int) -> memoryview:
-    return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
-
-
-def in_a_fresh_thread(fn):
-    """Run `fn` on a new thread (whose bounce buffer starts empty); its result, and the
-    size of the bounce buffer it left behind."""
-    result = {}
-
-    def body():
-        result["value"] = fn()
-        buffer = getattr(direct_io._local, "buffer", None)
-        result["bounce"] = 0 if buffer is None else buffer.nbytes
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    return result["value"], result["bounce"]
-
-
-@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 * 4096, 300_001])
-def test_a_record_in_page_aligned_memory_moves_in_place_but_for_its_last_partial_block(directory, size):
-    data = os.urandom(size)
-    source = page_aligned(size)
-    source[:] = data
-    _, bounce = in_a_fresh_thread(lambda: direct_io.write(directory / "r", source, sync=False))
-    assert bounce <= direct_io.ALIGN
-    assert (directory / "r").read_bytes() == data
-
-    out = page_aligned(size + 5000)  # room past the file: the read stops at its end
-    read, bounce = in_a_fresh_thread(lambda: direct_io.read_into(directory / "r", out))
-    assert read == size and bytes(out[:size]) == data
-    assert bounce <= direct_io.ALIGN
-
-    short = page_aligned(size // 2 + 1)  # less room than the file: the read stops at the room
-    read, _ = in_a_fresh_thread(lambda: direct_io.read_into(directory / "r", short))
-    assert read == short.nbytes and bytes(short) == data[: short.nbytes]
-
-
-def test_unaligned_memory_goes_through_the_bounce_buffer(directory):
-    """The other side of the test above: its bounce-buffer check sees what it looks for."""
-    data = memoryview(os.urandom(300_001 + 1))[1:]
-    _, bounce = in_a_fresh_thread(lambda: direct_io.write(directory / "r", data, sync=False))
-    assert bounce >= data.nbytes

@@ -16,7 +16,6 @@ from kvstore import ChunkSpecError, StoreClosedError, StoreConfigError, TieredSt
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
-from tiers.cpu import PAGE_BYTES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCKS = 4  # blocks per record in make_spec()
@@ -116,14 +115,9 @@ def test_any_shared_run_of_blocks_is_found_however_records_were_cut(open_store, 
     assert store.locate(hashes, 10, 12) == []
 
 
-def host_slot_bytes(spec) -> int:
-    """A host slot of the store: a record's room in whole pages."""
-    return -(-RecordCodec(spec).slot_bytes // PAGE_BYTES) * PAGE_BYTES
-
-
 def test_the_index_follows_what_tiers_drop(open_store):
     spec = make_spec()
-    slot = host_slot_bytes(spec)
+    slot = RecordCodec(spec).slot_bytes
     store = open_store("cpu,disk,redis", spec, cpu_size=2 * slot + slot // 2)
     keys = [save_chunks(store, [i])[0] for i in range(6)]
     assert store.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
@@ -323,7 +317,7 @@ def test_prefetch_pulls_records_into_cpu(open_store):
 
 def test_pinned_prefix_survives_heavy_traffic(open_store):
     spec = make_spec()
-    store = open_store("cpu", spec, cpu_size=4 * host_slot_bytes(spec))
+    store = open_store("cpu", spec, cpu_size=4 * RecordCodec(spec).slot_bytes)
     pinned = [record_key(store, i) for i in range(2)]
     store.pin(pinned, ttl_s=60)  # pinned before it exists, like a system prompt
     save_chunks(store, range(2))
