@@ -6,7 +6,7 @@ install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[test]' -e ./bench   # bench/: its own distribution (kvtier bench)
 	$(PYTHON) -m engine.cli download-model
-	$(PYTHON) -m kernels   # the C++ CPU kernels, built once for this CPU and torch
+	$(PYTHON) -m kvkernels   # the C++ CPU kernels, built once for this CPU and torch
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -2,7 +2,7 @@
 engine, the connector and the store copy a chunk's KV in user space on a save, a cpu hit,
 and a disk or Redis hit (into a cpu tier, from a second instance).
 
-A line tracer counts the executed lines of kvstore/, tiers/, connectors/ and kernels/
+A line tracer counts the executed lines of kvstore/, tiers/, connectors/ and kvkernels/
 that copy a buffer (`copy_`, `index_select`, `index_copy_`, block
 gathers and scatters, a memoryview slice assignment, `bytes(...)`, `tobytes`); the
 kernel's copy of a file read or a socket receive into a caller's buffer (`readinto`,
@@ -32,7 +32,7 @@ from engine import LLM, SamplingParams
 
 CHUNK_TOKENS = 64
 CHUNKS = 4  # full chunks per prompt
-PACKAGES = ("kvstore", "tiers", "connectors", "kernels")
+PACKAGES = ("kvstore", "tiers", "connectors", "kvkernels")
 COPY = re.compile(r"\.copy_\(|index_select|index_copy_|\[[^\]]*:[^\]]*\]\s*=[^=]|(?<![\w.])bytes\(|tobytes\(")
 # a block hash, a list splice, the few bytes a RESP reply line brought along: not a record's bytes
 SMALL = re.compile(r"HASH_SIZE|\[:0\] =|self\._pending")
@@ -76,7 +76,7 @@ class CopyTracer:
         path = frame.f_code.co_filename
         if not path.startswith(self.roots):
             return None
-        if "/kernels/" in path and not (path.endswith("staging.py") or "_blocks" in frame.f_code.co_name):
+        if "/kvkernels/" in path and "_blocks" not in frame.f_code.co_name:
             return None  # attention and KV writes read the cache; only block gathers/scatters move records
         return self._local
 

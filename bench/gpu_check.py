@@ -109,7 +109,7 @@ def random_paged_batch(
     page: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(query, kv_layer, meta) on CUDA; blocks shuffled, `shapes` = (query_len, seq_len)."""
-    from kernels.metadata import AttentionMetadata
+    from kvkernels.metadata import AttentionMetadata
 
     needed = [-(-s // page) for _, s in shapes]
     order = torch.randperm(sum(needed) + 8)
@@ -157,7 +157,7 @@ def check_kernels(args: argparse.Namespace) -> Result:
 def _attention_row(
     name: str, shapes: list, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> Result:
-    from kernels import reference, triton_attention
+    from kvkernels import reference, triton_attention
 
     query, kv_layer, meta = random_paged_batch(shapes, heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
@@ -178,7 +178,7 @@ def _attention_row(
 
 
 def _write_kv_row() -> Result:
-    from kernels import reference, triton_kv_ops
+    from kvkernels import reference, triton_kv_ops
 
     _, kv_layer, meta = random_paged_batch([(512, 1536)] * 4, 32, 8, 128, torch.bfloat16)
     key = torch.randn(meta.num_tokens, 8, 128, device="cuda")
@@ -198,7 +198,7 @@ def _write_kv_row() -> Result:
 
 
 def _gather_scatter_row() -> Result:
-    from kernels import triton_kv_ops
+    from kvkernels import triton_kv_ops
 
     cache = _random_cache(512)
     ids = torch.randperm(512, device="cuda")[:128]
@@ -269,11 +269,11 @@ def _transformers_greedy(path: str, prompts: list[list[int]], max_tokens: int) -
 def _engine_greedy(
     path: str, prompts: list[list[int]], max_tokens: int, backend: str
 ) -> list[list[int]]:
-    import kernels
+    import kvkernels
     from engine import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with kernels.use_backend(backend):
+    with kvkernels.use_backend(backend):
         llm = LLM(model=path, dtype="float32", device="cuda", max_num_batched_tokens=256)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     del llm
@@ -286,7 +286,7 @@ def _engine_greedy(
 
 def check_bandwidth(args: argparse.Namespace) -> Result:
     from connectors.transfer import BlockCopier
-    from kernels import reference, triton_kv_ops
+    from kvkernels import reference, triton_kv_ops
     from tiers.cpu import allocate_host
 
     cache = _random_cache(2048)

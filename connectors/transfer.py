@@ -7,7 +7,7 @@ asynchronous DMA): each first waits for the work queued so far on the compute st
 and the returned event is what the compute stream waits on before it reads loaded blocks
 or overwrites saved ones, without the host ever blocking; a slot is given back or
 committed only once its event is done (`when_done` + `poll`). On CPU every copy is
-synchronous and done when it returns: the runs of one call are one `kernels.copy_runs`,
+synchronous and done when it returns: the runs of one call are one `kvkernels.copy_runs`,
 their bytes split evenly over the engine thread's torch threads (one thread copies at
 about half the bandwidth two reach).
 """
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-import kernels
+import kvkernels
 from kvstore import host_copy
 
 
@@ -101,7 +101,7 @@ class BlockCopier:
         if not runs:
             return
         if self.stream is None:
-            kernels.copy_runs([dst for dst, _ in runs], [src for _, src in runs])
+            kvkernels.copy_runs([dst for dst, _ in runs], [src for _, src in runs])
             return
         for dst, src in runs:
             dst.copy_(src, non_blocking=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kvkernels
 from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig
@@ -75,7 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
-        kernels.set_backend(config.attention_backend)
+        kvkernels.set_backend(config.attention_backend)
         model_path = resolve_model(config.model)
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype

@@ -9,7 +9,7 @@ import torch
 from connectors.base import NullConnector, WorkerConnector
 from engine.sampler import Sampler, make_generator
 from engine.scheduler import SchedulerOutput
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 # request id -> (token id, its logprob, the top logprobs), logprobs None unless asked
 SampledTokens = dict[str, tuple[int, float | None, list[tuple[int, float]] | None]]
@@ -122,7 +122,7 @@ class ModelRunner:
     def clear_step_kv(self, out: SchedulerOutput) -> None:
         """Zero, in every layer, the KV slots that `out` writes. A forward that raised may
         have left anything there (NaN included), and the torch decode reads stale slots
-        of reused blocks past a sequence's end (kernels/reference.py). The slots lie past
+        of reused blocks past a sequence's end (kvkernels/reference.py). The slots lie past
         each request's cached blocks, so no other request's KV is touched."""
         runs = zip(out.start_positions, out.num_new_tokens, strict=True)
         positions = torch.cat([torch.arange(start, start + n) for start, n in runs])

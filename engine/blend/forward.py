@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kvkernels
 from engine.models import fused as fused_ops
 from engine.models.rope import apply_rotary, inverse_frequencies
 
@@ -135,7 +135,7 @@ def blend_prefill(
             v_region = v.new_empty((n, *v.shape[1:]))
             k_region[reused], v_region[reused] = move(kv_layer)
             k_region[rows], v_region[rows] = k, v
-        kernels.write_kv(kv_layer, k_region, v_region, dest)
+        kvkernels.write_kv(kv_layer, k_region, v_region, dest)
         keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), k_region])
         values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), v_region])
         out = _masked_attention(q, keys, values, plan.positions_cpu[rows_cpu], key_positions, attn.scale)

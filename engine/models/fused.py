@@ -7,9 +7,9 @@ chains of eager ops, each op a pass over the step's activations: a 2,048-token c
 activations do not stay in cache between them. Inductor turns each chain into one loop.
 Small steps (decode) keep the eager ops, where a compiled call's guard checks cost more
 than the passes they would save (their RMSNorm is the one-pass C++ kernel of
-`kernels.rms_norm` where it builds).
+`kvkernels.rms_norm` where it builds).
 
-RMSNorm is compiled from the torch reference's form (`kernels.reference.rms_norm`),
+RMSNorm is compiled from the torch reference's form (`kvkernels.reference.rms_norm`),
 SiLU-and-mul from its eager form here, which the unfused path runs. Rotary has a form of
 its own: the eager `rope.apply_rotary` writes into the halves of its result with `out=`,
 which Dynamo cannot trace.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kvkernels import reference
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import kvkernels
 from engine.models import fused as fused_ops
 
 
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        norm = fused_ops.rms_norm if fused else kernels.rms_norm
+        norm = fused_ops.rms_norm if fused else kvkernels.rms_norm
         return norm(x, self.weight, self.eps)
 
 

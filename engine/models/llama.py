@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import kvkernels
 from engine.models import fused as fused_ops
 from engine.models.args import ModelArgs
 from engine.models.layers import Embedding, Linear, RMSNorm, pack_weight, packed_linear
 from engine.models.rope import RotaryEmbedding, apply_rotary
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads], step.fused), self.k_norm(qk[:, heads:], step.fused)), dim=1)
         qk = (fused_ops.rotary if step.fused else apply_rotary)(qk, step.cos, step.sin)
         q, k = qk[:, :heads], qk[:, heads:]
-        kernels.write_kv(kv_layer, k, v, step.meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_layer, step.meta, self.scale)
+        kvkernels.write_kv(kv_layer, k, v, step.meta.slot_mapping)
+        out = kvkernels.paged_attention(q, kv_layer, step.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.models import fused, load_model
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 LONG = fused.MIN_FUSED_TOKENS + 44

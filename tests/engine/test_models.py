@@ -21,7 +21,7 @@ from engine.models import (
 from engine.models import spec as spec_module
 from engine.models.layers import Linear
 from engine.random_model import make_model
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 12

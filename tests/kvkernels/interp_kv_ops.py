@@ -10,8 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_kv_ops
+import kvkernels
+from kvkernels import reference, triton_kv_ops
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 
@@ -78,6 +78,6 @@ def test_dispatch_forced_to_triton_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(triton_kv_ops, "scatter_blocks", lambda *a: calls.append(a))
     cache = torch.zeros(2, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
-    with kernels.use_backend("triton"):
-        kernels.scatter_blocks(cache, torch.tensor([1]), cache[:1].clone())
+    with kvkernels.use_backend("triton"):
+        kvkernels.scatter_blocks(cache, torch.tensor([1]), cache[:1].clone())
     assert len(calls) == 1

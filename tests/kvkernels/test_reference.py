@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from tests.kernels.paged_batch import make_batch, naive_attention
+import kvkernels
+from kvkernels import reference
+from tests.kvkernels.paged_batch import make_batch, naive_attention
 
 MIXED = [(5, 21), (1, 40), (16, 16), (1, 7), (9, 33), (1, 1)]
 
@@ -91,13 +91,13 @@ def test_dispatch_auto_uses_reference_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(reference, "gather_blocks", lambda *a: calls.append(a))
     cache = torch.zeros(2, 1, 2, 4, 1, 8)
-    kernels.gather_blocks(cache, torch.tensor([1]), torch.empty(1, 1, 2, 4, 1, 8))
+    kvkernels.gather_blocks(cache, torch.tensor([1]), torch.empty(1, 1, 2, 4, 1, 8))
     assert len(calls) == 1
 
 
 def test_set_backend_validates_and_restores():
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        kernels.set_backend("cuda")
-    with kernels.use_backend("torch"):
-        assert kernels.get_backend() == "torch"
-    assert kernels.get_backend() == "auto"
+        kvkernels.set_backend("cuda")
+    with kvkernels.use_backend("torch"):
+        assert kvkernels.get_backend() == "torch"
+    assert kvkernels.get_backend() == "auto"

@@ -1,4 +1,4 @@
-// CPU kernels of the engine's hot decode path, built at first use by kernels/cpu.py.
+// CPU kernels of the engine's hot decode path, built at first use by kvkernels/cpu.py.
 //
 // decode_attention reads each sequence's K and V straight from its blocks of the paged
 // cache (no gathered copy of the context) and computes the attention of its one new
@@ -6,7 +6,7 @@
 // loaded, so every K and V byte is read once. The context is cut into partitions that
 // the threads share (so that one sequence keeps both cores busy) and the partitions are
 // merged by their softmax statistics. write_kv stores a step's new K and V at their
-// slots, non-finite values as 0 (see kernels/reference.py: the padded torch decode
+// slots, non-finite values as 0 (see kvkernels/reference.py: the padded torch decode
 // relies on every slot being finite). rms_norm is the decoder's RMSNorm in one pass.
 // All accumulation is in fp32. copy_runs copies a batch of byte runs (host slots to
 // device blocks on a CPU engine) with the bytes split evenly over the threads.

@@ -1,7 +1,7 @@
 """Paged attention, KV write, RMSNorm and block gather/scatter behind one dispatch.
 
 `auto` (the default) runs the Triton kernels on CUDA tensors, the C++ kernels of
-`kernels/cpu.py` on CPU tensors (where they build; the torch reference otherwise) and the
+`kvkernels/cpu.py` on CPU tensors (where they build; the torch reference otherwise) and the
 torch reference for what neither has. `set_backend` / `use_backend` force one (tests force
 `triton` on CPU tensors under `TRITON_INTERPRET=1`, and `torch` or `cpu` to compare the
 two). Triton is imported only when a Triton kernel runs.
@@ -16,8 +16,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu, reference
-from kernels.metadata import AttentionMetadata
+from kvkernels import cpu, reference
+from kvkernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
@@ -86,7 +86,7 @@ def _impl(tensor: torch.Tensor, triton_module: str) -> ModuleType:
         return reference
     module = _triton_modules.get(triton_module)
     if module is None:
-        module = _triton_modules[triton_module] = importlib.import_module(f"kernels.{triton_module}")
+        module = _triton_modules[triton_module] = importlib.import_module(f"kvkernels.{triton_module}")
     return module
 
 

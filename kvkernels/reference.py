@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 
 def write_kv(

@@ -3,11 +3,11 @@ the KV write and RMSNorm, each one pass in one call, and a batch of byte copies 
 over torch's threads.
 
 Built with the machine's C++ compiler the first time a process needs them (`make
-install` builds them: `python -m kernels`; about 30 s on 2 cores) and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
+install` builds them: `python -m kvkernels`; about 30 s on 2 cores) and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
 named by a digest of the source, the compiler flags, the torch version and the CPU's
 instruction sets, since the build is tuned to the CPU it runs on (`-march=native`). A
 build that fails (no compiler, say) logs one warning and `available()` is False from
-then on: the dispatch in `kernels/__init__.py` runs the torch reference instead.
+then on: the dispatch in `kvkernels/__init__.py` runs the torch reference instead.
 
 Prefill chunks keep the reference's flash-attention calls; this module's
 `paged_attention` runs the single-token sequences of a step in one call of the C++
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kvkernels import reference
+from kvkernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu.py) against the naive fp32 oracle and the torch
+"""The C++ CPU kernels (kvkernels/cpu.py) against the naive fp32 oracle and the torch
 reference, and the dispatch that picks them."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, reference
-from tests.kernels.paged_batch import make_batch, naive_attention
+import kvkernels
+from kvkernels import cpu, reference
+from tests.kvkernels.paged_batch import make_batch, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 # (query_len, seq_len) per sequence: decodes over contexts that end inside a block, on a
@@ -108,9 +108,9 @@ def test_auto_dispatches_cpu_tensors_to_the_cpp_kernels(monkeypatch):
     monkeypatch.setattr(cpu, "write_kv", lambda *args: calls.append("cpu"))
     monkeypatch.setattr(reference, "write_kv", lambda *args: calls.append("torch"))
     args = (torch.zeros(1, 2, 4, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.tensor([0]))
-    kernels.write_kv(*args)
-    with kernels.use_backend("torch"):
-        kernels.write_kv(*args)
+    kvkernels.write_kv(*args)
+    with kvkernels.use_backend("torch"):
+        kvkernels.write_kv(*args)
     assert calls == ["cpu", "torch"]
 
 
@@ -121,17 +121,17 @@ def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch
     monkeypatch.setenv("KVTIER_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu"):
+    with caplog.at_level(logging.WARNING, logger="kvkernels.cpu"):
         assert not cpu.available()
         assert not cpu.available()
     assert [r.getMessage() for r in caplog.records] == [
         "the C++ CPU kernels could not be built (c++: error: no such file); running the torch reference kernels"
     ]
     batch = make_batch(MIXED)
-    out = kernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    out = kvkernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
     torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
-    with kernels.use_backend("cpu"), pytest.raises(kernels.CpuKernelsUnavailableError):
-        kernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    with kvkernels.use_backend("cpu"), pytest.raises(kvkernels.CpuKernelsUnavailableError):
+        kvkernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
 
 
 def test_the_build_directory_names_source_flags_torch_and_cpu(monkeypatch, tmp_path):
@@ -143,8 +143,8 @@ def test_the_build_directory_names_source_flags_torch_and_cpu(monkeypatch, tmp_p
 
 
 BUILD_AND_RUN = """
-from kernels import cpu
-from tests.kernels.paged_batch import make_batch, naive_attention
+from kvkernels import cpu
+from tests.kvkernels.paged_batch import make_batch, naive_attention
 import torch
 assert cpu.available()
 batch = make_batch([(1, 40), (3, 9)])
@@ -174,8 +174,8 @@ def test_copy_runs_copies_every_byte_of_runs_across_thread_pieces(backend):
     sizes = [3, 700_000, 1, 1_300_000, 524_288, 17]
     srcs = [torch.randint(-1000, 1000, (n,), dtype=torch.int16).to(torch.bfloat16) for n in sizes]
     dsts = [torch.zeros_like(s) for s in srcs]
-    with kernels.use_backend(backend):
-        kernels.copy_runs(dsts, srcs)
+    with kvkernels.use_backend(backend):
+        kvkernels.copy_runs(dsts, srcs)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
 
 

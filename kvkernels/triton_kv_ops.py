@@ -77,7 +77,7 @@ def _copy_blocks_kernel(
 def write_kv(
     kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton version of `kernels.reference.write_kv` (same contract)."""
+    """Triton version of `kvkernels.reference.write_kv` (same contract)."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from kvkernels.metadata import AttentionMetadata
 
 # The interpreter computes bf16/fp16 dots wrongly; there the operands go through fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,7 +105,7 @@ def _paged_attention_kernel(
 def paged_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Triton version of `kernels.reference.paged_attention` (same contract)."""
+    """Triton version of `kvkernels.reference.paged_attention` (same contract)."""
     num_tokens, heads, head_dim = query.shape
     page, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = heads // kv_heads

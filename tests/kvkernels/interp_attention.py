@@ -10,9 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_attention
-from tests.kernels.paged_batch import make_batch, naive_attention
+import kvkernels
+from kvkernels import reference, triton_attention
+from tests.kvkernels.paged_batch import make_batch, naive_attention
 
 SHAPES = {
     "prefill": [(20, 20), (33, 33)],
@@ -64,6 +64,6 @@ def test_strided_query_and_layer_view():
 
 def test_dispatch_forced_to_triton_on_cpu():
     batch = make_batch(SHAPES["decode"])
-    with kernels.use_backend("triton"):
-        out = kernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
+    with kvkernels.use_backend("triton"):
+        out = kvkernels.paged_attention(batch.query, batch.kv_layer, batch.meta, 0.125)
     torch.testing.assert_close(out, naive_attention(batch, 0.125), atol=2e-5, rtol=1e-4)
