@@ -221,8 +221,9 @@ def describe(result: dict) -> str:
               "run" for name in stores]
     if copies:
         median_note = " (medians over the passes)" if "passes" in result else ""
-        text += "Where the store's time goes: " + "; ".join(copies) + f"{median_note}; that copy is the only part a " \
-                "step waits for. "
+        text += "Where the store's time goes: " + "; ".join(copies) + f"{median_note}. That copy is the only store work " \
+                "inside a step; the rest of the difference is the CPU of the write-behind threads (sealing, " \
+                "writing, faulting in the cpu tier's pages ahead of use), taken from cores the forward keeps busy. "
     return (text + profile_note(result)).strip()
 
 
