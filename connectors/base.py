@@ -82,6 +82,12 @@ class SchedulerConnector(Protocol):
         out, asynchronously); the scheduler leaves the request waiting and asks again."""
         ...
 
+    def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
+        """How many of blocks `start..end-1` of a sequence, from `start` on, the store
+        holds as far as its in-memory metadata knows (no I/O): a load planned now would
+        ask for them."""
+        ...
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
@@ -156,6 +162,9 @@ class NullConnector:
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return 0, False
+
+    def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
+        return 0
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int

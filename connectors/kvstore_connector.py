@@ -73,6 +73,9 @@ class KVStoreConnector:
     ) -> tuple[int | None, bool]:
         return self.planner.match(request, num_computed_tokens)
 
+    def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
+        return len(self.store.locate(block_hashes, start, end)) if start < end else 0
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:

@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
-from engine.blend.plan import ReuseSources, blend_mark, blended_block_hashes, reuse_sources
+from engine.blend.plan import (
+    ReuseSources,
+    blend_mark,
+    blended_block_hashes,
+    reusable_end,
+    reuse_sources,
+)
 from engine.blend.segments import SegmentedTokens
 from engine.block_pool import KVBlock
 from engine.config import OFFLOAD_TIERS, EngineConfig
@@ -100,17 +106,25 @@ class Blender:
         return self.enabled and isinstance(token_ids, SegmentedTokens) and len(token_ids.starts) > 1
 
     def add(self, request: Request, tokens: SegmentedTokens) -> bool:
-        """Take a segmented request; False (nothing taken) when the pool could never hold
-        its segments beside its own blocks: it then runs as an ordinary request.
-        Raises RequestTooLongError as the scheduler would."""
+        """Take a segmented request; False (nothing taken) when it runs as an ordinary
+        request instead: the pool could never hold its segments beside its own blocks, or
+        the store holds the KV a blend would reuse under names of this prompt (its
+        `block_hashes` are then set to them, see `_stored_chain`). Raises
+        RequestTooLongError as the scheduler would."""
         self.scheduler.validate(request)
         if 2 * cdiv(request.num_prompt_tokens, self.block_size) > self.kv.num_blocks:
             return False
         salt = request.cache_salt
+        exact = self.hasher.hashes(request.prompt_token_ids, salt)
+        stored = self._stored_chain(request, tokens, exact)
+        if stored is not None:
+            request.block_hashes = stored
+            self.counters["kv_blend_stored_requests"] += 1
+            return False
         bounds = tokens.bounds
         segment_hashes = [self.hasher.hashes(tokens[a:b], salt) for a, b in bounds]
         waiting = _Waiting(request, tokens, segment_hashes, set())
-        exact_end = self._exact_hit(request) * self.block_size  # segments inside it need nothing
+        exact_end = self._exact_hit(request, exact) * self.block_size  # segments inside it need nothing
         for index, hashes in enumerate(segment_hashes[:-1]):
             if bounds[index][1] > exact_end and hashes and not all(self._cached(h) for h in hashes):
                 waiting.prefills[index] = self._segment_prefill(waiting, hashes[-1], tokens, bounds[index])
@@ -127,12 +141,13 @@ class Blender:
         return bool(self.waiting)
 
     def stats(self) -> dict[str, int]:
-        """`kv_blend_*` counters: blended requests and their prompt tokens; tokens from
+        """`kv_blend_*` counters: blended requests and their prompt tokens; segmented
+        requests served from the store instead (`_stored_chain`); tokens from
         the exact (or same-blend) prefix hit; tokens that kept their moved segment KV,
         in all and by where the segment was when the request came (`SOURCES`: the
         device cache, the store tier its segment prefill loaded it from, or computed by
         that prefill); tokens computed in context; segment prefills run."""
-        keys = ["kv_blend_requests", "kv_blend_prompt_tokens", "kv_blend_prefix_hit_tokens",
+        keys = ["kv_blend_requests", "kv_blend_stored_requests", "kv_blend_prompt_tokens", "kv_blend_prefix_hit_tokens",
                 "kv_blend_reused_tokens", *(f"kv_blend_reused_tokens_{s}" for s in SOURCES),
                 "kv_blend_recomputed_tokens", "kv_blend_segment_prefills"]
         return {key: self.counters[key] for key in keys}
@@ -276,6 +291,41 @@ class Blender:
                 self.scheduler.abort_requests([prefill.request.request_id])
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _stored_chain(self, request: Request, tokens: SegmentedTokens, exact: list[bytes]) -> list[bytes] | None:
+        """Block hashes under which the device cache and the store together hold every
+        block of the prompt up to its last reusable segment block (`reusable_end`), the
+        store some of them: the exact prefix (an ordinary request of the same tokens was
+        saved), or this blend's own blocks (the same segments in the same order, saved
+        by an earlier blended request; their names do not depend on the question). As an
+        ordinary request under those names the prompt loads them like a prefix hit and
+        computes the rest in context, as a blend computes its question, without segment
+        prefills or a blend. None: blend. The store answers from its in-memory metadata:
+        blocks another instance saved in Redis are found only once the index has them."""
+        bs = self.block_size
+        loadable = self._loadable_blocks(request)
+        needed = min(loadable, cdiv(reusable_end(tokens.bounds, bs), bs))
+        if needed == 0:
+            return None
+        on_device, in_store = self._held(exact, loadable)
+        if on_device + in_store >= needed:
+            return exact if on_device < needed else None  # on the device alone: the blend hits it
+        # An earlier blend marked its chain after its exact device hit: at least the first
+        # segment's blocks (its prefill computed them), more where the exact prefix held more.
+        mark = blend_mark(self.recompute_ratio, tokens.starts)
+        for num_exact in sorted({tokens.bounds[0][1] // bs, on_device + in_store}):
+            chain = blended_block_hashes(exact, num_exact, request.prompt_token_ids, bs, self.hasher.seed,
+                                         request.cache_salt, mark)
+            chain_on_device, chain_in_store = self._held(chain, loadable)
+            if chain_on_device < needed <= chain_on_device + chain_in_store:
+                return chain
+        return None
+
+    def _held(self, chain: list[bytes], loadable: int) -> tuple[int, int]:
+        """Leading blocks of `chain` (up to `loadable`) in the device cache, then how many
+        after those the store holds."""
+        on_device = len(self._hit_blocks(chain[:loadable]))
+        return on_device, self.scheduler.connector.num_stored_blocks(chain, on_device, loadable)
 
     def _cached(self, block_hash: bytes) -> bool:
         return self.kv.block_pool.get_cached_block(block_hash) is not None

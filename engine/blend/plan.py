@@ -65,6 +65,15 @@ def reuse_sources(
     return ReuseSources(slots, shifts, segments, offsets)
 
 
+def reusable_end(bounds: Sequence[tuple[int, int]], block_size: int) -> int:
+    """The end of the prompt's last position that a blend can give a segment's stored KV:
+    the last full block of the last segment before the question that has one; 0 if
+    none has."""
+    ends = [start + (end - start) // block_size * block_size
+            for start, end in bounds[:-1] if end - start >= block_size]
+    return max(ends, default=0)
+
+
 def blend_mark(recompute_ratio: float, starts: Sequence[int]) -> bytes:
     """Extra hash bytes naming a blend: its version, ratio and segment starts."""
     return (BLEND_MARK_VERSION + struct.pack("<d", recompute_ratio)

@@ -85,6 +85,8 @@ EXTERNAL_HIT_PREFIX = "kv_external_hit_tokens_"  # + tier name
 # the blender's flat `kv_blend_*` engine stats (cumulative; engine/blend)
 BLEND_COUNTERS = {
     "kv_blend_requests": ("kvtier:blend_requests", "Requests whose prompt was blended from stored segments."),
+    "kv_blend_stored_requests": ("kvtier:blend_stored_requests",
+                                 "Segmented requests served from the store's KV of their prompt, not blended."),
     "kv_blend_prompt_tokens": ("kvtier:blend_prompt_tokens", "Prompt tokens of blended requests."),
     "kv_blend_prefix_hit_tokens": ("kvtier:blend_prefix_hit_tokens",
                                    "Blended prompt tokens found as a prefix (exact, or the same blend)."),

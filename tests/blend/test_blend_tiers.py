@@ -60,8 +60,71 @@ def test_reused_tokens_are_counted_by_the_tier_their_segment_came_from(tiny_mode
         second = {k: v - first[k] for k, v in reused_by_source(llm).items()}
     assert second["cpu"] > 0 and second["device"] == second["disk"] == 0 and second["computed"] <= 16
     assert answer.outputs[0].token_ids == expected
+    reordered = corpus.segments([3, 0, 1], question=1)  # not stored whole: blended from the segments
     with LLM(**options) as restarted:  # the same disk directory, an empty cpu tier
-        answer = generate(restarted, prompt)
+        answer = generate(restarted, reordered)
         by_source = reused_by_source(restarted)
     assert by_source["disk"] > 0 and by_source["device"] == by_source["cpu"] == 0 and by_source["computed"] <= 16
-    assert answer.outputs[0].token_ids == expected
+    assert answer.outputs[0].token_ids == plain_blend(checkpoint, reordered)
+
+
+def cpu_disk_options(checkpoint: str, disk_path) -> dict:
+    return {"model": checkpoint, "dtype": "float32", "num_kv_blocks": 256, "kv_offload": "cpu,disk",
+            "kv_offload_cpu_size": "64MiB", "kv_offload_disk_path": str(disk_path), "kv_chunk_tokens": 32}
+
+
+def test_a_blend_stored_whole_is_loaded_again_not_blended(tiny_model_factory, tmp_path):
+    checkpoint = tiny_model_factory(num_hidden_layers=4)
+    corpus = Corpus(seed=7)
+    prompt = corpus.segments([2, 0, 3], question=1)
+    follow_up = corpus.segments([2, 0, 3], question=3)  # the same documents, another question
+    with LLM(**cpu_disk_options(checkpoint, tmp_path / "reference")) as reference:
+        first = generate(reference, prompt)
+        expected_follow_up = generate(reference, follow_up)  # reuses the first blend's blocks on the device
+        assert blend_stats(reference)["kv_blend_requests"] == 2
+    with LLM(**cpu_disk_options(checkpoint, tmp_path / "store")) as llm:
+        assert generate(llm, prompt).outputs[0].token_ids == first.outputs[0].token_ids
+        llm.engine.connector.store.drain(30)
+        before = blend_stats(llm)
+        assert llm.engine.kv_cache_manager.reset_prefix_cache()  # the blend stays in the cpu tier only
+        again = generate(llm, prompt)
+        after = blend_stats(llm)
+        stats = llm.stats()
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert after["kv_blend_stored_requests"] - before["kv_blend_stored_requests"] == 1
+    assert after["kv_blend_requests"] == before["kv_blend_requests"]  # loaded, not blended again
+    assert after["kv_blend_segment_prefills"] == before["kv_blend_segment_prefills"]
+    assert stats["kv_external_hit_tokens_cpu"] >= len(first.prompt_token_ids) // 32 * 32 - 32
+    with LLM(**cpu_disk_options(checkpoint, tmp_path / "store")) as restarted:  # the disk records only
+        answer = generate(restarted, follow_up)
+        stats = restarted.stats()
+    assert answer.outputs[0].token_ids == expected_follow_up.outputs[0].token_ids
+    assert stats["kv_blend_stored_requests"] == 1 and stats["kv_blend_requests"] == 0
+    assert stats["kv_blend_segment_prefills"] == 0 and stats["kv_external_hit_tokens_disk"] > 0
+
+
+def test_an_exact_prefix_in_the_store_is_loaded_for_a_segmented_request(tiny_model_factory, tmp_path):
+    checkpoint = tiny_model_factory(num_hidden_layers=4)
+    corpus = Corpus(seed=8)
+    with LLM(**cpu_disk_options(checkpoint, tmp_path)) as llm:
+        plain = generate(llm, corpus.plain([1, 2], question=0))
+        llm.engine.connector.store.drain(30)
+        assert llm.engine.kv_cache_manager.reset_prefix_cache()
+        segmented = generate(llm, corpus.segments([1, 2], question=0))  # the same tokens, as segments
+        stats = llm.stats()
+    assert segmented.outputs[0].token_ids == plain.outputs[0].token_ids  # exact, as the plain prompt
+    assert stats["kv_blend_stored_requests"] == 1 and stats["kv_blend_requests"] == 0
+    assert stats["kv_external_hit_tokens_cpu"] > 0
+
+
+def test_a_blend_the_store_holds_in_part_is_blended(tiny_model_factory, tmp_path):
+    checkpoint = tiny_model_factory(num_hidden_layers=4)
+    corpus = Corpus(seed=9)
+    with LLM(**cpu_disk_options(checkpoint, tmp_path)) as llm:
+        generate(llm, corpus.segments([0, 1]))
+        llm.engine.connector.store.drain(30)
+        assert llm.engine.kv_cache_manager.reset_prefix_cache()
+        answer = generate(llm, corpus.segments([0, 1, 2]))  # a third document after the stored two
+        stats = llm.stats()
+    assert stats["kv_blend_stored_requests"] == 0 and stats["kv_blend_requests"] == 2
+    assert answer.outputs[0].token_ids == plain_blend(checkpoint, corpus.segments([0, 1, 2]))
