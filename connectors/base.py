@@ -28,6 +28,7 @@ so that this package does not import the engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 
@@ -86,6 +87,11 @@ class SchedulerConnector(Protocol):
         """How many of blocks `start..end-1` of a sequence, from `start` on, the store
         holds as far as its in-memory metadata knows (no I/O): a load planned now would
         ask for them."""
+        ...
+
+    def probe_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> Future[int] | None:
+        """Ask the remote tiers' block indexes about blocks `start..end-1`: once the
+        future is done, `num_stored_blocks` knows what they know. None: nothing to ask."""
         ...
 
     def update_state_after_alloc(
@@ -165,6 +171,9 @@ class NullConnector:
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
         return 0
+
+    def probe_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> Future[int] | None:
+        return None
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int

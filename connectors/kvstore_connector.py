@@ -76,6 +76,9 @@ class KVStoreConnector:
     def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
         return len(self.store.locate(block_hashes, start, end)) if start < end else 0
 
+    def probe_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> concurrent.futures.Future[int] | None:
+        return self.store.probe(block_hashes, start, end) if self.store.has_remote_index else None
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1024**3
 CUDA_KV_CACHE_FRACTION = 0.5
-# How long an idle step (only KV loads in flight) waits for one to finish.
+# How long an idle step (only KV loads or remote index probes in flight) waits for one to finish.
 LOAD_WAIT_S = 0.01
 
 
@@ -223,6 +223,8 @@ class LLMEngine:
         if not out.requests:
             if self.scheduler.num_loading:
                 self.connector.wait_for_loads(LOAD_WAIT_S)
+            else:
+                self.blender.wait_for_probes(LOAD_WAIT_S)
             return outputs
         sampled, failures = self._execute(out)
         outputs += self._fail(failures)

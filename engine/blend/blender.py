@@ -25,11 +25,13 @@ and the blend (memory pressure) is computed in context instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +78,7 @@ class _Waiting:
     segment_hashes: list[list[bytes]]  # per segment: its block hashes computed alone
     pending: set[bytes]  # keys of the segment prefills not finished yet
     prefills: dict[int, Request] = field(default_factory=dict)  # segment index -> its prefill
+    probes: list[Future[int]] = field(default_factory=list)  # remote index probes out (`_probe`)
 
 
 class Blender:
@@ -114,21 +117,14 @@ class Blender:
         self.scheduler.validate(request)
         if 2 * cdiv(request.num_prompt_tokens, self.block_size) > self.kv.num_blocks:
             return False
-        salt = request.cache_salt
-        exact = self.hasher.hashes(request.prompt_token_ids, salt)
-        stored = self._stored_chain(request, tokens, exact)
-        if stored is not None:
-            request.block_hashes = stored
-            self.counters["kv_blend_stored_requests"] += 1
+        if self._serve_stored(request, tokens):
             return False
-        bounds = tokens.bounds
-        segment_hashes = [self.hasher.hashes(tokens[a:b], salt) for a, b in bounds]
+        segment_hashes = [self.hasher.hashes(tokens[a:b], request.cache_salt) for a, b in tokens.bounds]
         waiting = _Waiting(request, tokens, segment_hashes, set())
-        exact_end = self._exact_hit(request, exact) * self.block_size  # segments inside it need nothing
-        for index, hashes in enumerate(segment_hashes[:-1]):
-            if bounds[index][1] > exact_end and hashes and not all(self._cached(h) for h in hashes):
-                waiting.prefills[index] = self._segment_prefill(waiting, hashes[-1], tokens, bounds[index])
         self.waiting[request.request_id] = waiting
+        waiting.probes = self._probe(request, tokens)
+        if not waiting.probes:
+            self._start_segment_prefills(waiting)
         return True
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -139,6 +135,14 @@ class Blender:
 
     def has_waiting(self) -> bool:
         return bool(self.waiting)
+
+    def wait_for_probes(self, timeout_s: float) -> bool:
+        """Block until a remote index probe of a waiting request completes, or
+        `timeout_s`; False (at once) when none is out."""
+        probes = [f for waiting in self.waiting.values() for f in waiting.probes]
+        if probes:
+            concurrent.futures.wait(probes, timeout_s, concurrent.futures.FIRST_COMPLETED)
+        return bool(probes)
 
     def stats(self) -> dict[str, int]:
         """`kv_blend_*` counters: blended requests and their prompt tokens; segmented
@@ -159,9 +163,10 @@ class Blender:
         seat and blocks are free) and hand them to the scheduler; returns those whose
         blend failed, finished with their error."""
         self._collect_prefills()
+        self._collect_probes()
         failed = []
         for request_id, waiting in list(self.waiting.items()):
-            if waiting.pending:
+            if waiting.pending or waiting.probes:
                 continue
             if self.scheduler.num_running + self.scheduler.num_loading >= self.max_num_seqs:
                 break
@@ -247,6 +252,29 @@ class Blender:
 
     # ---- segment prefills -------------------------------------------------------------------
 
+    def _start_segment_prefills(self, waiting: _Waiting) -> None:
+        """Prefill every segment the device cache lacks (but for those inside the exact
+        prefix hit, which need nothing)."""
+        request, tokens = waiting.request, waiting.tokens
+        bounds = tokens.bounds
+        exact_end = self._exact_hit(request) * self.block_size
+        for index, hashes in enumerate(waiting.segment_hashes[:-1]):
+            if bounds[index][1] > exact_end and hashes and not all(self._cached(h) for h in hashes):
+                waiting.prefills[index] = self._segment_prefill(waiting, hashes[-1], tokens, bounds[index])
+
+    def _collect_probes(self) -> None:
+        """Requests whose remote index probes are all in: served from the store if it
+        holds their KV after all, else on to their segment prefills."""
+        for request_id, waiting in list(self.waiting.items()):
+            if not waiting.probes or not all(f.done() for f in waiting.probes):
+                continue
+            waiting.probes = []
+            if self._serve_stored(waiting.request, waiting.tokens):
+                del self.waiting[request_id]
+                self.scheduler.add_request(waiting.request)
+            else:
+                self._start_segment_prefills(waiting)
+
     def _segment_prefill(
         self, waiting: _Waiting, key: bytes, tokens: SegmentedTokens, bounds: tuple[int, int]
     ) -> Request:
@@ -292,7 +320,17 @@ class Blender:
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _stored_chain(self, request: Request, tokens: SegmentedTokens, exact: list[bytes]) -> list[bytes] | None:
+    def _serve_stored(self, request: Request, tokens: SegmentedTokens) -> bool:
+        """Whether the request runs as an ordinary request under the names of KV the store
+        holds for it (`_stored_chain`); its `block_hashes` are then set to them."""
+        chain = self._stored_chain(request, tokens)
+        if chain is None:
+            return False
+        request.block_hashes = chain
+        self.counters["kv_blend_stored_requests"] += 1
+        return True
+
+    def _stored_chain(self, request: Request, tokens: SegmentedTokens) -> list[bytes] | None:
         """Block hashes under which the device cache and the store together hold every
         block of the prompt up to its last reusable segment block (`reusable_end`), the
         store some of them: the exact prefix (an ordinary request of the same tokens was
@@ -300,26 +338,53 @@ class Blender:
         by an earlier blended request; their names do not depend on the question). As an
         ordinary request under those names the prompt loads them like a prefix hit and
         computes the rest in context, as a blend computes its question, without segment
-        prefills or a blend. None: blend. The store answers from its in-memory metadata:
-        blocks another instance saved in Redis are found only once the index has them."""
-        bs = self.block_size
-        loadable = self._loadable_blocks(request)
-        needed = min(loadable, cdiv(reusable_end(tokens.bounds, bs), bs))
+        prefills or a blend. None: blend. The store answers from its in-memory metadata
+        (what remote indexes know of comes in through `_probe`)."""
+        needed = self._needed_blocks(request, tokens)
         if needed == 0:
             return None
-        on_device, in_store = self._held(exact, loadable)
-        if on_device + in_store >= needed:
-            return exact if on_device < needed else None  # on the device alone: the blend hits it
-        # An earlier blend marked its chain after its exact device hit: at least the first
-        # segment's blocks (its prefill computed them), more where the exact prefix held more.
-        mark = blend_mark(self.recompute_ratio, tokens.starts)
-        for num_exact in sorted({tokens.bounds[0][1] // bs, on_device + in_store}):
-            chain = blended_block_hashes(exact, num_exact, request.prompt_token_ids, bs, self.hasher.seed,
-                                         request.cache_salt, mark)
-            chain_on_device, chain_in_store = self._held(chain, loadable)
-            if chain_on_device < needed <= chain_on_device + chain_in_store:
+        loadable = self._loadable_blocks(request)
+        for exact, chain in self._candidate_chains(request, tokens):
+            on_device, in_store = self._held(chain, loadable)
+            if on_device >= needed and exact:
+                return None  # the exact prefix is on the device: the blend hits it
+            if on_device < needed <= on_device + in_store:
                 return chain
         return None
+
+    def _probe(self, request: Request, tokens: SegmentedTokens) -> list[Future[int]]:
+        """Ask the remote tiers' block indexes about the blocks of each candidate chain
+        that memory does not know of (another instance may have saved them)."""
+        needed = self._needed_blocks(request, tokens)
+        if needed == 0:
+            return []
+        loadable = self._loadable_blocks(request)
+        probes = []
+        for _, chain in self._candidate_chains(request, tokens):
+            held = sum(self._held(chain, loadable))
+            probe = self.scheduler.connector.probe_stored_blocks(chain, held, needed) if held < needed else None
+            if probe is not None:
+                probes.append(probe)
+        return probes
+
+    def _needed_blocks(self, request: Request, tokens: SegmentedTokens) -> int:
+        """The prompt's blocks up to its last one a blend could take segment KV for."""
+        return min(self._loadable_blocks(request), cdiv(reusable_end(tokens.bounds, self.block_size), self.block_size))
+
+    def _candidate_chains(self, request: Request, tokens: SegmentedTokens) -> Iterator[tuple[bool, list[bytes]]]:
+        """(exact?, chain): the exact chain, then the blend's marked chain as an earlier
+        blend would have named it: marked after its exact device hit, which is at least
+        the first segment's blocks (its prefill computed them), more where the exact
+        prefix held more."""
+        bs = self.block_size
+        exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
+        yield True, exact
+        loadable = self._loadable_blocks(request)
+        exact_held = sum(self._held(exact, loadable))
+        mark = blend_mark(self.recompute_ratio, tokens.starts)
+        for num_exact in sorted({tokens.bounds[0][1] // bs, exact_held}):
+            yield False, blended_block_hashes(exact, num_exact, request.prompt_token_ids, bs, self.hasher.seed,
+                                              request.cache_salt, mark)
 
     def _held(self, chain: list[bytes], loadable: int) -> tuple[int, int]:
         """Leading blocks of `chain` (up to `loadable`) in the device cache, then how many

@@ -128,3 +128,20 @@ def test_a_blend_the_store_holds_in_part_is_blended(tiny_model_factory, tmp_path
         stats = llm.stats()
     assert stats["kv_blend_stored_requests"] == 0 and stats["kv_blend_requests"] == 2
     assert answer.outputs[0].token_ids == plain_blend(checkpoint, corpus.segments([0, 1, 2]))
+
+
+def test_a_blend_another_instance_stored_in_redis_is_loaded_not_blended(tiny_model_factory, redis_url):
+    checkpoint = tiny_model_factory(num_hidden_layers=4)
+    corpus = Corpus(seed=10)
+    prompt = corpus.segments([3, 1], question=2)
+    options = {"model": checkpoint, "dtype": "float32", "num_kv_blocks": 256, "kv_offload": "redis",
+               "kv_redis_url": redis_url, "kv_chunk_tokens": 32}
+    with LLM(**options) as writer:
+        first = generate(writer, prompt)
+        writer.engine.connector.store.drain(30)
+    with LLM(**options) as reader:  # knows nothing until it asks Redis's block index
+        answer = generate(reader, prompt)
+        stats = reader.stats()
+    assert answer.outputs[0].token_ids == first.outputs[0].token_ids
+    assert stats["kv_blend_stored_requests"] == 1 and stats["kv_blend_requests"] == 0
+    assert stats["kv_blend_segment_prefills"] == 0 and stats["kv_external_hit_tokens_redis"] > 0
