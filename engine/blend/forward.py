@@ -23,8 +23,9 @@ reads it; it remains for a region without question tokens. Why the choice, measu
 docs/ARCHITECTURE.md, "Blending". Ratio 1 computes everything: a full prefill.
 
 Attention runs over the gathered context and region KV with a causal mask by absolute
-position (recomputed tokens are scattered, which the paged kernels do not handle), in
-row tiles of explicit fp32 QK^T and softmax, like the torch reference kernel. Every
+position (recomputed tokens are scattered, which the paged kernels do not handle):
+scaled_dot_product_attention in row tiles, each reading the keys its last row sees; the
+question's scoring pass, which needs the weights, computes them explicitly in fp32. Every
 layer's KV of the region, moved or fresh, is written to `dest_slots`, so that decoding
 afterwards reads it from the paged cache like any other KV.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import kvkernels
 from engine.models import fused as fused_ops
@@ -41,8 +43,10 @@ from engine.models.rope import apply_rotary, inverse_frequencies
 
 # The layer whose KV deviation picks the tokens to recompute (see the module docstring).
 CHECK_LAYER = 1
-# About this many fp32 attention scores per tile.
+# About this many fp32 attention scores per tile of `_weighed_attention`.
 _TILE_SCORES = 1 << 21
+# Query rows per fused attention call (fewer rows see fewer keys; measured on CPU).
+_FUSED_TILE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,10 @@ def _question_attention(
         moved_k, moved_v = move(kv_layer)
         keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), moved_k, k])
         values = torch.cat([_gather(kv_layer, context, 1).to(v.dtype), moved_v, v])
-        out = _masked_attention(q, keys, values, question_positions, key_positions, attn.scale,
-                                key_attention=attention if index > check_layer else None)
+        if index > check_layer:
+            out = _attention_noting_weights(q, keys, values, question_positions, key_positions, attn.scale, attention)
+        else:
+            out = _masked_attention(q, keys, values, question_positions, key_positions, attn.scale)
         x = _after_attention(core, layer, x, out)
     return attention[num_context : num_context + len(reused)]
 
@@ -246,13 +252,36 @@ def _project(
 def _masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_positions: torch.Tensor, k_positions: torch.Tensor, scale: float,
-    key_attention: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q [m, H, D]` over `k`/`v [L, KH, D]`, a query seeing the keys at
-    positions up to its own (GQA by H // KH). Positions are host tensors, keys in
-    ascending position order, so each row tile reads only the keys its last row sees.
-    `key_attention [L]`, if given, is raised to each key's largest attention weight from
-    any row and head."""
+    positions up to its own (GQA by H // KH), fused: scaled_dot_product_attention with a
+    mask by position. Positions are host tensors, keys in ascending position order, so
+    each row tile reads only the keys its last row sees."""
+    m = q.shape[0]
+    keys = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KH, L, D]
+    values = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+    visible_ends = torch.searchsorted(k_positions, q_positions, right=True).tolist()
+    k_pos_dev, q_pos_dev = k_positions.to(q.device), q_positions.to(q.device)
+    out = q.new_empty(q.shape)
+    for first in range(0, m, _FUSED_TILE_ROWS):
+        last = min(first + _FUSED_TILE_ROWS, m)
+        visible = visible_ends[last - 1]
+        mask = k_pos_dev[None, :visible] <= q_pos_dev[first:last, None]
+        tile = F.scaled_dot_product_attention(
+            q[first:last].transpose(0, 1).unsqueeze(0), keys[:, :, :visible], values[:, :, :visible],
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        out[first:last] = tile[0].transpose(0, 1)
+    return out
+
+
+def _attention_noting_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_positions: torch.Tensor, k_positions: torch.Tensor, scale: float,
+    key_attention: torch.Tensor,
+) -> torch.Tensor:
+    """`_masked_attention` with the attention weights computed explicitly (fp32 QK^T and
+    softmax, in row tiles like the torch reference kernel); `key_attention [L]` is raised
+    to each key's largest weight from any row and head."""
     m, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -272,8 +301,7 @@ def _masked_attention(
         hidden = k_pos_dev[None, :visible] > q_positions[first:last].to(q.device)[:, None]
         scores.masked_fill_(hidden, float("-inf"))
         probs = scores.softmax(-1)
-        if key_attention is not None:
-            torch.maximum(key_attention[:visible], probs.amax((0, 1, 2)), out=key_attention[:visible])
+        torch.maximum(key_attention[:visible], probs.amax((0, 1, 2)), out=key_attention[:visible])
         probs = probs.to(v.dtype).view(kv_heads, group * rows, visible)
         out[:, :, first:last] = torch.matmul(probs, vt[:, :visible]).view(kv_heads, group, rows, head_dim)
     return out.permute(2, 0, 1, 3).reshape(m, heads, head_dim)
