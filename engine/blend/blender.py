@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -81,6 +81,35 @@ class _Waiting:
     probes: list[Future[int]] = field(default_factory=list)  # remote index probes out (`_probe`)
 
 
+@dataclass(frozen=True)
+class _Chain:
+    """Block names a segmented prompt's KV may be held under, and how much of it is held:
+    leading blocks on the device, then in the store after those."""
+
+    hashes: list[bytes]
+    exact: bool
+    needed: int  # blocks up to the last one a blend could take segment KV for (`reusable_end`)
+    on_device: int
+    in_store: int
+
+
+def _stored_chain(candidates: list[_Chain]) -> list[bytes] | None:
+    """The names under which the device cache and the store together hold every needed
+    block of the prompt, the store some of them: the exact prefix (an ordinary request of
+    the same tokens was saved), or this blend's own blocks (the same segments in the same
+    order, saved by an earlier blended request; their names do not depend on the
+    question). As an ordinary request under those names the prompt loads them like a
+    prefix hit and computes the rest in context, as a blend computes its question,
+    without segment prefills or a blend. None: blend. The store answers from its
+    in-memory metadata (what remote indexes know of comes in through `Blender._probe`)."""
+    for candidate in candidates:
+        if candidate.exact and candidate.on_device >= candidate.needed:
+            return None  # the exact prefix is on the device: the blend hits it
+        if candidate.on_device < candidate.needed <= candidate.on_device + candidate.in_store:
+            return candidate.hashes
+    return None
+
+
 class Blender:
     def __init__(
         self, config: EngineConfig, model: torch.nn.Module, kv_cache: torch.Tensor,
@@ -117,12 +146,13 @@ class Blender:
         self.scheduler.validate(request)
         if 2 * cdiv(request.num_prompt_tokens, self.block_size) > self.kv.num_blocks:
             return False
-        if self._serve_stored(request, tokens):
+        candidates = self._candidate_chains(request, tokens)
+        if self._serve_stored(request, candidates):
             return False
         segment_hashes = [self.hasher.hashes(tokens[a:b], request.cache_salt) for a, b in tokens.bounds]
         waiting = _Waiting(request, tokens, segment_hashes, set())
         self.waiting[request.request_id] = waiting
-        waiting.probes = self._probe(request, tokens)
+        waiting.probes = self._probe(candidates)
         if not waiting.probes:
             self._start_segment_prefills(waiting)
         return True
@@ -136,13 +166,12 @@ class Blender:
     def has_waiting(self) -> bool:
         return bool(self.waiting)
 
-    def wait_for_probes(self, timeout_s: float) -> bool:
+    def wait_for_probes(self, timeout_s: float) -> None:
         """Block until a remote index probe of a waiting request completes, or
-        `timeout_s`; False (at once) when none is out."""
+        `timeout_s`; return at once when none is out."""
         probes = [f for waiting in self.waiting.values() for f in waiting.probes]
         if probes:
             concurrent.futures.wait(probes, timeout_s, concurrent.futures.FIRST_COMPLETED)
-        return bool(probes)
 
     def stats(self) -> dict[str, int]:
         """`kv_blend_*` counters: blended requests and their prompt tokens; segmented
@@ -269,7 +298,7 @@ class Blender:
             if not waiting.probes or not all(f.done() for f in waiting.probes):
                 continue
             waiting.probes = []
-            if self._serve_stored(waiting.request, waiting.tokens):
+            if self._serve_stored(waiting.request, self._candidate_chains(waiting.request, waiting.tokens)):
                 del self.waiting[request_id]
                 self.scheduler.add_request(waiting.request)
             else:
@@ -320,71 +349,48 @@ class Blender:
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _serve_stored(self, request: Request, tokens: SegmentedTokens) -> bool:
+    def _serve_stored(self, request: Request, candidates: list[_Chain]) -> bool:
         """Whether the request runs as an ordinary request under the names of KV the store
         holds for it (`_stored_chain`); its `block_hashes` are then set to them."""
-        chain = self._stored_chain(request, tokens)
+        chain = _stored_chain(candidates)
         if chain is None:
             return False
         request.block_hashes = chain
         self.counters["kv_blend_stored_requests"] += 1
         return True
 
-    def _stored_chain(self, request: Request, tokens: SegmentedTokens) -> list[bytes] | None:
-        """Block hashes under which the device cache and the store together hold every
-        block of the prompt up to its last reusable segment block (`reusable_end`), the
-        store some of them: the exact prefix (an ordinary request of the same tokens was
-        saved), or this blend's own blocks (the same segments in the same order, saved
-        by an earlier blended request; their names do not depend on the question). As an
-        ordinary request under those names the prompt loads them like a prefix hit and
-        computes the rest in context, as a blend computes its question, without segment
-        prefills or a blend. None: blend. The store answers from its in-memory metadata
-        (what remote indexes know of comes in through `_probe`)."""
-        needed = self._needed_blocks(request, tokens)
-        if needed == 0:
-            return None
-        loadable = self._loadable_blocks(request)
-        for exact, chain in self._candidate_chains(request, tokens):
-            on_device, in_store = self._held(chain, loadable)
-            if on_device >= needed and exact:
-                return None  # the exact prefix is on the device: the blend hits it
-            if on_device < needed <= on_device + in_store:
-                return chain
-        return None
-
-    def _probe(self, request: Request, tokens: SegmentedTokens) -> list[Future[int]]:
+    def _probe(self, candidates: list[_Chain]) -> list[Future[int]]:
         """Ask the remote tiers' block indexes about the blocks of each candidate chain
         that memory does not know of (another instance may have saved them)."""
-        needed = self._needed_blocks(request, tokens)
-        if needed == 0:
-            return []
-        loadable = self._loadable_blocks(request)
         probes = []
-        for _, chain in self._candidate_chains(request, tokens):
-            held = sum(self._held(chain, loadable))
-            probe = self.scheduler.connector.probe_stored_blocks(chain, held, needed) if held < needed else None
-            if probe is not None:
-                probes.append(probe)
+        for candidate in candidates:
+            held = candidate.on_device + candidate.in_store
+            if held < candidate.needed:
+                probe = self.scheduler.connector.probe_stored_blocks(candidate.hashes, held, candidate.needed)
+                if probe is not None:
+                    probes.append(probe)
         return probes
 
-    def _needed_blocks(self, request: Request, tokens: SegmentedTokens) -> int:
-        """The prompt's blocks up to its last one a blend could take segment KV for."""
-        return min(self._loadable_blocks(request), cdiv(reusable_end(tokens.bounds, self.block_size), self.block_size))
-
-    def _candidate_chains(self, request: Request, tokens: SegmentedTokens) -> Iterator[tuple[bool, list[bytes]]]:
-        """(exact?, chain): the exact chain, then the blend's marked chain as an earlier
-        blend would have named it: marked after its exact device hit, which is at least
-        the first segment's blocks (its prefill computed them), more where the exact
-        prefix held more."""
+    def _candidate_chains(self, request: Request, tokens: SegmentedTokens) -> list[_Chain]:
+        """The names under which the device cache and the store may hold the KV a blend of
+        this prompt would reuse (none when it would reuse nothing): the exact chain, then
+        the blend's marked chain as an earlier blend would have named it, marked after
+        its exact device hit, which is at least the first segment's blocks (its prefill
+        computed them), more where the exact prefix held more."""
         bs = self.block_size
-        exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
-        yield True, exact
         loadable = self._loadable_blocks(request)
-        exact_held = sum(self._held(exact, loadable))
+        needed = min(loadable, cdiv(reusable_end(tokens.bounds, bs), bs))
+        if needed == 0:
+            return []
+        exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
+        candidates = [_Chain(exact, True, needed, *self._held(exact, loadable))]
         mark = blend_mark(self.recompute_ratio, tokens.starts)
+        exact_held = candidates[0].on_device + candidates[0].in_store
         for num_exact in sorted({tokens.bounds[0][1] // bs, exact_held}):
-            yield False, blended_block_hashes(exact, num_exact, request.prompt_token_ids, bs, self.hasher.seed,
-                                              request.cache_salt, mark)
+            chain = blended_block_hashes(exact, num_exact, request.prompt_token_ids, bs, self.hasher.seed,
+                                         request.cache_salt, mark)
+            candidates.append(_Chain(chain, False, needed, *self._held(chain, loadable)))
+        return candidates
 
     def _held(self, chain: list[bytes], loadable: int) -> tuple[int, int]:
         """Leading blocks of `chain` (up to `loadable`) in the device cache, then how many
