@@ -158,6 +158,11 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
 
     def flush(self, tiers: Sequence[str] | None) -> dict[str, int]: ...
 
+    def make_resident(self) -> None:
+        """Fault in the store's host memory now, so that no step pays for a first touch
+        (a server calls it once at start, before it takes traffic)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -224,6 +229,9 @@ class NullConnector:
 
     def flush(self, tiers: Sequence[str] | None) -> dict[str, int]:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
+
+    def make_resident(self) -> None:
+        return None
 
     def close(self) -> None:
         return None

@@ -165,6 +165,9 @@ class KVStoreConnector:
     def flush(self, tiers: Sequence[str] | None) -> dict[str, int]:
         return self.store.flush(tiers)
 
+    def make_resident(self) -> None:
+        self.store.make_resident()
+
     def close(self) -> None:
         """Finish the copies in flight and close the store (which writes out what is
         pending); loads still open are dropped with it."""

@@ -5,7 +5,8 @@ The slab is allocated once (pinned when CUDA exists, so device copies can be
 asynchronous; cupy's pinned allocator when installed, because torch's caching host
 allocator rounds a request up to a power of two); a plain slab hands out fresh slots in
 order and has their pages faulted in ahead of use by a store worker (`cpu-populate`), so
-that no save pays page faults in the engine's step. A slot holds one record in wire
+that no save pays page faults in the engine's step; `make_resident` faults in the whole
+slab at once (a server does at start, as pinning would). A slot holds one record in wire
 layout (kvstore.record: header, payload, room for the MAC); the store decides the
 layout, this module only hands out slots and counts references.
 
@@ -136,6 +137,21 @@ class CpuTier(Tier):
         self.slab[: min(nbytes, self.slab.numel())].zero_()
         self._populated = max(self._populated, min(self.num_slots, nbytes // self.slot_bytes))
 
+    def make_resident(self) -> None:
+        """Fault in every page of the slab now, before traffic. Pages first touched while
+        the engine runs cost the kernel's zeroing, and on a VM the host's fault as well,
+        on the cores the forward needs, however far ahead the populator works; paid at
+        start, they cost nothing later, because evicted slots are reused in place. Without
+        MADV_POPULATE_WRITE the slab stays populated ahead of use."""
+        if self.allocation != "plain" or self._populated == self.num_slots:
+            return
+        try:
+            populate_pages(self.slab[self._populated * self.slot_bytes :])
+        except PagePopulateError as exc:
+            log.info("cpu tier: pages are populated ahead of use, not at start (%s)", exc)
+            return
+        self._populated = self.num_slots
+
     @property
     def populated_bytes(self) -> int:
         """The leading bytes of the slab whose pages are faulted in (touched or populated)."""
@@ -203,7 +219,7 @@ class CpuTier(Tier):
             except PagePopulateError as exc:
                 log.info("cpu tier: slots are not populated ahead of use (%s)", exc)
                 return
-            self._populated = end
+            self._populated = max(self._populated, end)  # make_resident may have gone further
 
     # ---- slots ----------------------------------------------------------------------------
 

@@ -202,6 +202,31 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
     assert bytes(tier.buffer(20)[:4]) == b"kept"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="pages are populated ahead on Linux only")
+def test_make_resident_faults_in_the_whole_slab_keeps_its_bytes_and_stops_the_populator(monkeypatch):
+    mib = 1 << 20
+    mapping = mmap.mmap(-1, 16 * mib)  # fresh: no page of it resident yet
+    monkeypatch.setattr(cpu, "allocate_host", lambda nbytes, pin: (torch.frombuffer(mapping, dtype=torch.uint8), "plain"))
+    tier = CpuTier(16 * mib, mib, pin_memory=False)
+    assert tier.reserve("r0") == 0
+    tier.buffer(0)[:4] = b"kept"
+    assert resident_fraction(tier, 0, 16 * mib) < 0.1
+    tier.make_resident()
+    assert resident_fraction(tier, 0, 16 * mib) == 1
+    assert tier.populated_bytes == 16 * mib and bytes(tier.buffer(0)[:4]) == b"kept"
+    assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to populate
+
+
+def test_make_resident_without_madvise_leaves_the_slab_to_the_populator(monkeypatch):
+    def refuse(tensor):
+        raise cpu.PagePopulateError(22, "madvise(MADV_POPULATE_WRITE) failed: errno 22")
+
+    monkeypatch.setattr(cpu, "populate_pages", refuse)
+    tier = make_tier(8)
+    tier.make_resident()
+    assert tier.populated_bytes == 0  # the populator still has every slot ahead of it
+
+
 def test_a_slab_touched_at_start_leaves_the_populator_nothing_to_do():
     tier = make_tier(4)
     tier.touch_pages(4 * SLOT)
