@@ -59,6 +59,19 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none): what the
+    kernel can hand out without swapping."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def populate_pages(tensor: torch.Tensor) -> None:
     """Fault in the pages of `tensor`'s memory, writable, without writing them: their
     contents are kept, so this is safe while other threads write there, and so is the
@@ -115,7 +128,12 @@ class CpuTier(Tier):
                 f"cpu tier of {capacity_bytes} bytes cannot hold one {slot_bytes}-byte record"
             )
         self.retain = retain
-        self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory)
+        try:
+            self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory)
+        except (RuntimeError, MemoryError) as exc:  # torch reports ENOMEM as a RuntimeError
+            raise TierConfigError(
+                f"cannot allocate {self.num_slots * self.slot_bytes} bytes of host memory for the cpu tier"
+            ) from exc
         self._rows = self.slab.numpy().reshape(self.num_slots, self.slot_bytes)
         self._buffers: list[memoryview | None] = [None] * self.num_slots
         self._lock = threading.Lock()
@@ -144,6 +162,11 @@ class CpuTier(Tier):
         start, they cost nothing later, because evicted slots are reused in place. Without
         MADV_POPULATE_WRITE the slab stays populated ahead of use."""
         if self.allocation != "plain" or self._populated == self.num_slots:
+            return
+        wanted, available = (self.num_slots - self._populated) * self.slot_bytes, available_memory()
+        if available is not None and wanted > available:
+            log.warning("cpu tier: %.1f GiB is more than the %.1f GiB of memory available now; its pages are "
+                        "faulted in as it fills", wanted / 2**30, available / 2**30)
             return
         try:
             populate_pages(self.slab[self._populated * self.slot_bytes :])

@@ -59,6 +59,15 @@ def test_a_disk_path_that_cannot_be_created_names_its_flag(model_path, tmp_path)
     assert "kvtier generate: error: --kv-offload-disk-path: cannot create disk tier directory" in result.stderr
 
 
+def test_a_cpu_tier_larger_than_memory_names_its_flag(model_path):
+    from engine import LLM
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^kv_offload_cpu_size: cannot allocate \d+ bytes of host memory") as error:
+        LLM(model=model_path, num_kv_blocks=16, kv_offload="cpu", kv_offload_cpu_size="1048576GiB")
+    assert error.value.option == "kv_offload_cpu_size"
+
+
 def test_a_cpu_tier_too_small_for_a_chunk_names_its_flag(model_path):
     from engine import LLM
     from engine.config import ConfigError

@@ -227,6 +227,19 @@ def test_make_resident_without_madvise_leaves_the_slab_to_the_populator(monkeypa
     assert tier.populated_bytes == 0  # the populator still has every slot ahead of it
 
 
+def test_make_resident_leaves_a_slab_larger_than_the_available_memory_to_the_populator(monkeypatch, caplog):
+    tier = make_tier(64)
+    monkeypatch.setattr(cpu, "available_memory", lambda: 16 * SLOT)
+    tier.make_resident()
+    assert tier.populated_bytes == 0
+    assert "more than the" in caplog.text and "memory available" in caplog.text
+
+
+def test_available_memory_reads_meminfo():
+    available = cpu.available_memory()
+    assert sys.platform != "linux" or 0 < available < 1 << 50
+
+
 def test_a_slab_touched_at_start_leaves_the_populator_nothing_to_do():
     tier = make_tier(4)
     tier.touch_pages(4 * SLOT)
