@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -189,6 +189,44 @@ class RecordCodec:
 
     def payload(self, slot: memoryview, num_blocks: int) -> memoryview:
         return slot[self.payload_offset : self.payload_offset + num_blocks * self.spec.block_bytes]
+
+    def scatter(self, slot: memoryview, num_blocks: int, placed: Mapping[int, memoryview]) -> list[memoryview]:
+        """Where a raw record of `num_blocks` blocks is read when some of its blocks land
+        elsewhere: its header region in the slot, then block b at `placed[b]` or at its
+        place in the slot's payload, then the rest of the slot (the MAC, if any)."""
+        block_bytes = self.spec.block_bytes
+        payload = self.payload(slot, num_blocks)
+        blocks = [placed.get(b, payload[b * block_bytes : (b + 1) * block_bytes]) for b in range(num_blocks)]
+        header = slot[self.payload_offset - header_size(num_blocks) : self.payload_offset]
+        return [header, *blocks, slot[self.payload_offset + num_blocks * block_bytes :]]
+
+    def verify_scattered(self, block_hash: bytes, pieces: Sequence[memoryview], length: int) -> RecordHeader | None:
+        """`verify` for a record of `length` bytes read into `scatter` pieces. None when it
+        is compressed (its payload does not fall on the block pieces: read it whole);
+        raises a RecordError subclass if anything is wrong."""
+        header = parse_head(pieces[0])
+        if header.codec is not Codec.NONE:
+            return None
+        if header.total_len != length or len(pieces) != header.num_blocks + 2:
+            raise TruncatedRecordError(f"record of {length} bytes, its header says {header.total_len}")
+        if header.payload_len != header.raw_len or header.raw_len != header.num_blocks * self.spec.block_bytes:
+            raise RecordFormatError("uncompressed payload length differs from raw length")
+        payload = pieces[1:-1]
+        digest = xxhash.xxh3_64()
+        for block in payload:
+            digest.update(block)
+        if digest.intdigest() != header.checksum:
+            raise ChecksumMismatchError("payload xxh3-64 mismatch")
+        if self.secret:
+            if not header.flags & FLAG_HMAC:
+                raise AuthenticationError("record is not signed and this store requires a secret")
+            mac = hmac.new(self.secret, pieces[0], hashlib.sha256)
+            for block in payload:
+                mac.update(block)
+            if not hmac.compare_digest(mac.digest(), pieces[-1][:MAC_SIZE]):
+                raise AuthenticationError("HMAC-SHA256 mismatch (written with another secret?)")
+        self.check_identity(header, block_hash)
+        return header
 
     def seal(self, key: _Key, slot: memoryview) -> memoryview:
         """The record of `key` whose raw payload sits in `slot` (slot layout): the header

@@ -149,6 +149,14 @@ class RecordTier(Tier):
         gives, per record, the block index entries naming it; a tier without a block
         index ignores them."""
 
+    def read_in_place(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        """Read the record of `key` into `buffers`, filled in order, if that needs no
+        waiting on a device or a network (its bytes are in memory already): its length,
+        or None when it cannot be read so now (not there, not in memory, too long for the
+        buffers, or a tier that cannot). May run on any thread; the buffers may have been
+        written even when it answers None."""
+        return None
+
     async def scan(self) -> Scan | None:
         """Records found and gone since the previous scan (the first scan lists every
         record), or None for a tier that cannot be listed."""

@@ -200,3 +200,50 @@ def test_a_read_never_queues_behind_writes_or_background_work(tmp_path):
         return got, write_was_waiting
 
     assert run(main()) == ([record(1)], True)
+
+
+def test_read_in_place_scatters_a_cached_record_and_declines_what_it_cannot_read_now(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    data = bytes(range(256)) * 4
+    run(tier.put([("k-01", data)]))
+    pieces = [memoryview(bytearray(100)), memoryview(bytearray(900)), memoryview(bytearray(40))]
+    assert tier.read_in_place("k-01", pieces) == 1024  # just written: in the page cache
+    assert b"".join(bytes(p) for p in pieces)[:1024] == data
+    assert tier.counters["bytes_read"] == 1024
+    assert tier.read_in_place("k-02", pieces) is None  # not there
+    assert tier.read_in_place("k-01", pieces[:2]) is None  # longer than the buffers
+
+
+def cached_fraction(path) -> float:
+    """Of the file's pages, the fraction in the page cache (mincore on a mapping of it)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapping:
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        pages = -(-size // mmap.PAGESIZE)
+        flags = ctypes.create_string_buffer(pages)
+        assert libc.mincore(view.ctypes.data, size, flags) == 0, ctypes.get_errno()
+        del view
+        return sum(b & 1 for b in flags.raw) / pages
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RWF_NOWAIT and fadvise are Linux's")
+def test_read_in_place_declines_a_record_the_page_cache_does_not_hold(tmp_path):
+    tier = DiskTier(tmp_path, 10_000)
+    run(tier.put([("k-01", os.urandom(8192))]))
+    fd = os.open(tier.path("k-01"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cached = cached_fraction(tier.path("k-01"))  # 1 on tmpfs, which has no device to wait on
+    got = tier.read_in_place("k-01", [memoryview(bytearray(8192))])
+    assert got == (8192 if cached == 1 else None)
+    assert run(tier.get(["k-01"]))[0] is not None  # the usual read gets it

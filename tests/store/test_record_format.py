@@ -289,3 +289,68 @@ def test_single_byte_corruption_of_compressed_record(seed, value):
     record[position] = value
     with pytest.raises(RecordError):
         roundtrip(rc, record)
+
+
+# ---- records read with some blocks placed elsewhere (scatter) ---------------------------
+
+
+def scattered_read(rc: RecordCodec, record: memoryview, num_blocks: int, placed_blocks: list[int]):
+    """Read `record` as a disk read into `scatter` pieces does; the placed blocks land in
+    buffers of their own. Returns the pieces and those buffers."""
+    slot = memoryview(bytearray(rc.slot_bytes))
+    placed = {b: memoryview(bytearray(rc.spec.block_bytes)) for b in placed_blocks}
+    pieces = rc.scatter(slot, num_blocks, placed)
+    data, at = bytes(record), 0
+    for piece in pieces:
+        count = min(piece.nbytes, len(data) - at)
+        piece[:count] = data[at : at + count]
+        at += count
+    assert at == len(data)
+    return pieces, placed
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_a_scattered_record_verifies_and_its_placed_blocks_hold_the_payload(secret):
+    spec = make_spec()
+    rc = RecordCodec(spec, Codec.NONE, secret)
+    payload = chunk_payload(spec, 3)
+    record = rc.encode(KEY, tensor_bytes(payload))
+    pieces, placed = scattered_read(rc, record, spec.blocks_per_chunk, [0, 2, 3])
+    header = rc.verify_scattered(HASHES[-1], pieces, record.nbytes)
+    assert header is not None and header.num_blocks == spec.blocks_per_chunk
+    raw = bytes(tensor_bytes(payload))
+    for block, memory in placed.items():
+        assert bytes(memory) == raw[block * spec.block_bytes : (block + 1) * spec.block_bytes]
+    assert bytes(pieces[2]) == raw[spec.block_bytes : 2 * spec.block_bytes]  # block 1 stayed in the slot
+
+
+def test_a_flipped_byte_in_a_placed_block_fails_the_scattered_check():
+    spec = make_spec()
+    rc = RecordCodec(spec)
+    record = rc.encode(KEY, tensor_bytes(chunk_payload(spec, 4)))
+    pieces, placed = scattered_read(rc, record, spec.blocks_per_chunk, [1])
+    placed[1][5] ^= 1
+    with pytest.raises(ChecksumMismatchError):
+        rc.verify_scattered(HASHES[-1], pieces, record.nbytes)
+
+
+def test_a_scattered_record_must_be_as_long_as_its_header_says_and_carry_the_secret():
+    spec = make_spec()
+    record = RecordCodec(spec).encode(KEY, tensor_bytes(chunk_payload(spec, 5)))
+    pieces, _ = scattered_read(RecordCodec(spec), record, spec.blocks_per_chunk, [0])
+    with pytest.raises(TruncatedRecordError):
+        RecordCodec(spec).verify_scattered(HASHES[-1], pieces, record.nbytes - 1)
+    with pytest.raises(AuthenticationError):
+        RecordCodec(spec, Codec.NONE, b"s3cret").verify_scattered(HASHES[-1], pieces, record.nbytes)
+
+
+def test_a_compressed_record_is_not_placed_but_read_whole():
+    spec = make_spec()
+    rc = RecordCodec(spec, Codec.LZ4)
+    grid = torch.zeros(spec.shape, dtype=spec.dtype)  # compresses
+    record = rc.encode(KEY, tensor_bytes(grid))
+    assert record.nbytes < spec.nbytes
+    slot = memoryview(bytearray(rc.slot_bytes))
+    pieces = rc.scatter(slot, spec.blocks_per_chunk, {})
+    pieces[0][:] = bytes(record)[: pieces[0].nbytes]
+    assert rc.verify_scattered(HASHES[-1], pieces, record.nbytes) is None
