@@ -82,10 +82,7 @@ class KVStoreConnector:
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        self.planner.allocated(request, block_ids, num_external_tokens)
-        planned = self.planner.loading.get(request.request_id)
-        if planned is not None:
-            self.worker.copy_on_arrival(planned)
+        self.planner.allocated(request, block_ids, num_external_tokens, self.worker.copy_on_arrival)
 
     def build_meta(self, output: ScheduledBatch) -> StepMeta:
         meta = self.planner.build(output)

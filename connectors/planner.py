@@ -16,7 +16,7 @@ token), wherever the records holding them were cut.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,6 +37,8 @@ class OpenLoad(Protocol):
     @property
     def blocked(self) -> bool: ...
 
+    def start(self) -> None: ...
+
     def tier_runs(self, num_blocks: int) -> list[tuple[str, int]]: ...
 
 
@@ -50,7 +52,7 @@ class StoreIndex(Protocol):
 
     def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> Sequence[Any]: ...
 
-    def open_load(self, run: Sequence[Any]) -> OpenLoad: ...
+    def open_load(self, run: Sequence[Any], start: bool = True) -> OpenLoad: ...
 
     def close_load(self, load: Any) -> None: ...
 
@@ -173,7 +175,8 @@ class Planner:
             run = self.store.locate(request.block_hashes, start, end)
             if not run:
                 return 0, False
-            load = self.store.open_load(run)
+            # Its reads begin once the worker knows where its blocks go (see start_loads).
+            load = self.store.open_load(run, start=False)
             if load.blocked:  # another request is reading a record of the run: wait for it
                 self._close_later(load)
                 return None, False
@@ -188,9 +191,12 @@ class Planner:
             planned = state.load = PlannedLoad(request.request_id, start, load, is_async, promised)
         return planned.promised_blocks * bs, planned.is_async
 
-    def allocated(self, request: ConnectorRequest, block_ids: list[int], num_external: int) -> None:
+    def allocated(self, request: ConnectorRequest, block_ids: list[int], num_external: int,
+                  before_reads: Callable[[PlannedLoad], None] | None = None) -> None:
         """The request was admitted with `block_ids` as its table and `num_external`
-        tokens to come from the store right after its device hit."""
+        tokens to come from the store right after its device hit. An asynchronous load's
+        reads begin here, after `before_reads(planned load)` (the worker offering them
+        their device blocks)."""
         state = self._state(request.request_id)
         state.prefetched = True  # admitted: no prefetch for it any more
         planned, state.load = state.load, None
@@ -205,6 +211,9 @@ class Planner:
         if planned.is_async:
             self.loading[request.request_id] = planned
             self.counters.async_loads += 1
+            if before_reads is not None:
+                before_reads(planned)
+            planned.load.start()
         else:
             self.ready.append(planned)
             self._note_tiers(planned)
@@ -243,11 +252,20 @@ class Planner:
 
     def build(self, output: ScheduledBatch) -> StepMeta:
         self.store.poll()  # what loads found missing is saved again
+        self.start_loads()
         meta = StepMeta(offloads=self.offloads, loads=[p for p in self.ready if not p.dropped])
         self.offloads, self.ready = [], []
         for request, block_ids in zip(output.requests, output.block_tables, strict=True):
             meta.saves += self._completed(request, block_ids)
         return meta
+
+    def start_loads(self) -> None:
+        """Begin the reads of the loads opened for requests not admitted (a load is
+        opened unstarted so that, if its request is admitted, the worker can first offer
+        its reads their device blocks: `allocated`)."""
+        for state in self.requests.values():
+            if state.load is not None:
+                state.load.load.start()
 
     def preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         """Plan saving what the victim computed and the store lacks: its full chunks and
@@ -352,6 +370,7 @@ class Planner:
         """Give back a load that will not reach the device: now if its reads are done
         (its slots, reserved under its records' names, are free for saves of them at
         once), else once they are (`close_abandoned`)."""
+        load.start()
         if load.done():
             self.store.close_load(load)
         else:

@@ -6,7 +6,9 @@ between the store's host slots and the device KV cache, one copy each way.
   from disk or Redis stays in the cpu tier, in the slot it was read into). On a CPU
   cache, the parts of an asynchronous load are copied as they arrive, on the store's I/O
   thread, while the request waits for the others (`copy_on_arrival`); the step copies
-  only what was in before. The request owns its device blocks until it is freed, and
+  only what was in before. When the store does not keep the records it reads (no cpu
+  tier to promote into), a record the tier can read without waiting is read straight
+  into the device blocks instead (`Load.place_with`), under the same lock. The request owns its device blocks until it is freed, and
   every copy into them ends before `seal` returns, which runs before they are freed or
   read.
 - A save: a slot is reserved for the record, the device blocks are copied into its
@@ -18,8 +20,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from connectors.planner import PlannedLoad, SavePlan
@@ -37,11 +41,44 @@ class WorkerCounters:
 
 @dataclass(eq=False)
 class ArrivalCopies:
-    """The parts of one asynchronous load already copied into its device blocks."""
+    """The parts of one asynchronous load copied into its device blocks as they arrive:
+    parts are copied concurrently (each claims its own), and `seal` waits for the copies
+    under way and refuses new ones."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     copied: set[int] = field(default_factory=set)  # part indexes
+    claimed: set[int] = field(default_factory=set)  # copied, or being copied
+    active: int = 0  # copies under way
     sealed: bool = False  # no more copies: the load is being copied by the step, or dropped
+
+    def __post_init__(self) -> None:
+        self.idle = threading.Condition(self.lock)
+
+    def claim(self, index: int) -> bool:
+        """Part `index` is to be copied now; False if it was, or the load is sealed."""
+        with self.lock:
+            if self.sealed or index in self.claimed:
+                return False
+            self.claimed.add(index)
+            self.active += 1
+            return True
+
+    def finish(self, index: int, copied: bool) -> None:
+        with self.lock:
+            if copied:
+                self.copied.add(index)
+            else:
+                self.claimed.discard(index)
+            self.active -= 1
+            self.idle.notify_all()
+
+    def seal(self) -> set[int]:
+        """No copy from now on; waits for those under way. The parts copied."""
+        with self.lock:
+            self.sealed = True
+            while self.active:
+                self.idle.wait()
+            return set(self.copied)
 
 
 class Worker:
@@ -51,6 +88,7 @@ class Worker:
         self.copier = BlockCopier(kv_cache)
         self.counters = WorkerCounters({name: 0 for name in store.tier_names})
         self._arriving: dict[str, ArrivalCopies] = {}  # by request id
+        self._block_rows: np.ndarray | None = None  # a CPU cache's blocks as bytes (`_block_memory`)
 
     def copy_on_arrival(self, planned: PlannedLoad) -> None:
         """Copy each part of an admitted asynchronous load into its device blocks as soon
@@ -63,25 +101,46 @@ class Worker:
 
         def arrived(index: int) -> None:
             part, first = load.parts[index], offsets[index]
-            with copies.lock:
-                count = min(part.count, planned.promised_blocks - first)
-                if copies.sealed or count <= 0:
-                    return
-                block_ids = planned.block_ids[first : first + count]
+            count = min(part.count, planned.promised_blocks - first)
+            if count <= 0 or not copies.claim(index):
+                return
+            block_ids = planned.block_ids[first : first + count]
+            copied = False
+            try:
                 self.copier.to_device_off_engine_thread(self.store.view(part)[:count], block_ids)
-                copies.copied.add(index)
+                copied = True
+            finally:
+                copies.finish(index, copied)
+
+        def place(index: int, fill: Callable[[Mapping[int, memoryview]], bool]) -> bool:
+            part, first = load.parts[index], offsets[index]
+            count = min(part.count, planned.promised_blocks - first)
+            if count <= 0 or not copies.claim(index):
+                return False
+            blocks = planned.block_ids[first : first + count]
+            placed = False
+            try:
+                placed = fill({part.position + j: self._block_memory(block) for j, block in enumerate(blocks)})
+            finally:
+                copies.finish(index, placed)
+            return placed
 
         load.on_arrival(arrived)
+        if not self.store.keeps_loaded_records:
+            load.place_with(place)
+
+    def _block_memory(self, block: int) -> memoryview:
+        """Device block `block` of a CPU cache as writable bytes."""
+        if self._block_rows is None:
+            cache = self.copier.kv_cache
+            self._block_rows = cache.view(-1).view(torch.uint8).view(cache.shape[0], -1).numpy()
+        return memoryview(self._block_rows[block])
 
     def seal(self, request_id: str) -> set[int]:
         """Stop copying the request's load as it arrives; once this returns no such copy
         is running. The indexes of the parts copied."""
         copies = self._arriving.pop(request_id, None)
-        if copies is None:
-            return set()
-        with copies.lock:
-            copies.sealed = True
-            return copies.copied
+        return set() if copies is None else copies.seal()
 
     def load(self, planned: PlannedLoad) -> None:
         """Copy the blocks of a done load that arrived into its device blocks (but for the

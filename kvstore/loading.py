@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ from kvstore.parts import StoreParts
 from kvstore.record import RecordHeader
 from kvstore.runtime import pending_future
 from tiers.base import Buffer, RecordTier, split_evenly
+from tiers.read_threads import in_read_thread
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class RecordRead:
     tier: str | None = None  # where it came from
     state: ReadState = ReadState.PENDING
     on_arrival: Callable[[], None] | None = None  # called on the I/O thread once verified
+    # Offered by whoever will copy the blocks out (a load on a CPU cache whose slot is not
+    # kept): `place(fill)` calls `fill(destinations)`, record block -> memory, under its
+    # lock, and True from fill means the blocks are there and verified.
+    place: Callable[[Callable[[Mapping[int, memoryview]], bool]], bool] | None = None
 
 
 class Loader:
@@ -67,9 +72,23 @@ class Loader:
     def read(self, reads: Sequence[RecordRead], timeout_s: float) -> Future[None]:
         """Fill the reads' slots; the future resolves when every read is OK, FAILED or
         TIMED_OUT (at most `timeout_s` from now)."""
-        future: Future[None] = pending_future()
-        self._parts.runtime.spawn(self._run(list(reads), timeout_s, future))
+        future, start = self.prepare(reads, timeout_s)
+        start()
         return future
+
+    def prepare(self, reads: Sequence[RecordRead], timeout_s: float) -> tuple[Future[None], Callable[[], None]]:
+        """`read`, begun when the returned function is first called (the timeout counts
+        from then): the caller may first offer the reads a place (`RecordRead.place`)."""
+        future: Future[None] = pending_future()
+        started = False
+
+        def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                self._parts.runtime.spawn(self._run(list(reads), timeout_s, future))
+
+        return future, start
 
     async def _run(self, reads: list[RecordRead], timeout_s: float, future: Future[None]) -> None:
         try:
@@ -122,42 +141,86 @@ class Loader:
 
     async def _read_part(self, tier: RecordTier, ask: list[RecordRead]) -> list[str]:
         """Read one part of a batch from `tier` and verify its records as soon as they
-        are in, while the other parts are still being read; the names of bad records."""
+        are in, while the other parts are still being read; the names of bad records.
+        A record whose blocks can land where they are going (`RecordRead.place`) and that
+        the tier can read without waiting goes there instead of through its slot."""
         memory, codec = self._parts.memory, self._parts.codec
-        regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
-        records = await tier.get([r.name for r in ask], regions)
         bad: list[str] = []
+        placeable = [r for r in ask if r.place is not None]
+        if placeable:
+            outcomes = await in_read_thread(lambda: [self._place(tier, r) for r in placeable])
+            for read, outcome in zip(placeable, outcomes, strict=True):
+                if isinstance(outcome, RecordError):
+                    self._reject(tier, read, outcome, bad)
+                elif outcome is not None:
+                    self._parts.counters.add(placed_records=1)
+                    self._accept(tier, read, outcome)
+            ask = [r for r in ask if r.tier is None and r.name not in bad]
+        regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
+        records = await tier.get([r.name for r in ask], regions) if ask else []
         for read, record in zip(ask, records, strict=True):
-            if self._settle(tier, read, record, bad):
-                read.tier = tier.name
-                if read.on_arrival is not None:
-                    read.on_arrival()
+            header = self._settle(tier, read, record, bad)
+            if header is not None:
+                self._accept(tier, read, header)
         return bad
 
-    def _settle(self, tier: RecordTier, read: RecordRead, record: Buffer | None, bad: list[str]) -> bool:
-        """Verify `record` in `read`'s slot; a miss or a bad record is counted, and the
-        index told that `tier` does not hold it."""
+    def _place(self, tier: RecordTier, read: RecordRead) -> RecordHeader | RecordError | None:
+        """Try reading `read`'s record straight to where its blocks go (a read thread):
+        its header once verified there, the error of a bad record, None when it could not
+        be placed (the slot path reads it)."""
+        codec, slot = self._parts.codec, self._parts.memory.buffer(read.slot)
+        placed: list[RecordHeader] = []
+
+        def fill(destinations: Mapping[int, memoryview]) -> bool:
+            pieces = codec.scatter(slot, read.num_blocks, destinations)
+            length = tier.read_in_place(read.name, pieces)
+            header = None if length is None else codec.verify_scattered(
+                self._parts.block_hash_of(read.name), pieces, length)
+            if header is None:
+                return False
+            _check_against_index(header, read)
+            placed.append(header)
+            return True
+
+        try:
+            read.place(fill)  # type: ignore[misc]
+        except RecordError as exc:
+            return exc
+        return placed[0] if placed else None
+
+    def _settle(self, tier: RecordTier, read: RecordRead, record: Buffer | None, bad: list[str]) -> RecordHeader | None:
+        """Verify `record` in `read`'s slot: its header, or None for a miss or a bad
+        record (counted, and the index told that `tier` does not hold it)."""
         if record is None:
             tier.counters.add(misses=1)
             self._forget(tier, read)
-            return False
+            return None
         try:
             slot = self._parts.memory.buffer(read.slot)
             header = self._parts.codec.settle_in_slot(self._parts.block_hash_of(read.name), slot, record)
             _check_against_index(header, read)
         except RecordError as exc:
-            tier.counters.add(misses=1, **{exc.counter: 1})
-            log.warning(
-                "kvstore: bad record %s in %s tier (%s: %s); deleting it",
-                read.name, tier.name, type(exc).__name__, exc,
-            )
-            bad.append(read.name)
-            self._forget(tier, read)
-            return False
+            self._reject(tier, read, exc, bad)
+            return None
+        return header
+
+    def _accept(self, tier: RecordTier, read: RecordRead, header: RecordHeader) -> None:
+        """A verified record: counted, indexed in `tier`, and reported arrived."""
         tier.counters.add(hits=1)
         name, first, hashes, tier_name = read.name, header.first_block, header.block_hashes, tier.name
         self._parts.post(lambda index: index.add(name, first, hashes, tier_name))
-        return True
+        read.tier = tier.name
+        if read.on_arrival is not None:
+            read.on_arrival()
+
+    def _reject(self, tier: RecordTier, read: RecordRead, exc: RecordError, bad: list[str]) -> None:
+        tier.counters.add(misses=1, **{exc.counter: 1})
+        log.warning(
+            "kvstore: bad record %s in %s tier (%s: %s); deleting it",
+            read.name, tier.name, type(exc).__name__, exc,
+        )
+        bad.append(read.name)
+        self._forget(tier, read)
 
     def _forget(self, tier: RecordTier, read: RecordRead) -> None:
         name, tier_name = read.name, tier.name

@@ -15,6 +15,7 @@ STORE_COUNTER_FIELDS: tuple[str, ...] = (
     "loads",
     "load_records",  # records a load needed from a record tier
     "load_hit_records",  # of those, records that arrived
+    "placed_records",  # of those, read straight into the blocks they were loaded for
     "saves",  # records committed to the host slots
     "save_skipped_records",  # no slot could be had (every one held)
     "save_dropped_records",  # lower-tier writes skipped: too much already pending

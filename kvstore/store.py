@@ -23,7 +23,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +107,7 @@ class Load:
     parts: list[LoadPart]
     future: Future[None]
     blocked: bool = False
+    start: Callable[[], None] = lambda: None  # begins the reads (once; opened unstarted)
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +123,14 @@ class Load:
         for index, part in enumerate(self.parts):
             if part.read is not None:
                 part.read.on_arrival = lambda index=index: callback(index)
+
+    def place_with(self, place: Callable[[int, Callable[[Mapping[int, memoryview]], bool]], bool]) -> None:
+        """Offer each part still being read a place in the caller's memory: the loader
+        may call `place(part index, fill)` on a read thread instead of reading the record
+        into its slot (see `RecordRead.place`)."""
+        for index, part in enumerate(self.parts):
+            if part.read is not None:
+                part.read.place = lambda fill, index=index: place(index, fill)
 
     def arrived_blocks(self) -> int:
         """Blocks of the leading run of parts that arrived (once done)."""
@@ -299,10 +308,11 @@ class TieredStore:
 
     # data ------------------------------------------------------------------------------
 
-    def open_load(self, run: Sequence[BlockLocation], timeout_s: float | None = None) -> Load:
+    def open_load(self, run: Sequence[BlockLocation], timeout_s: float | None = None, start: bool = True) -> Load:
         """Open the records holding `run` (from `locate`): a record in the cpu tier is
         held as it is, the others are read into reserved slots. The load covers the
-        leading part of `run` that got a slot. Give it back with `close_load`."""
+        leading part of `run` that got a slot. Give it back with `close_load`. With
+        `start` False its reads wait for `Load.start` (its future is not done before)."""
         self._check_open()
         parts: list[LoadPart] = []
         reads: list[RecordRead] = []
@@ -322,7 +332,17 @@ class TieredStore:
         self.counters.add(loads=1, load_records=len(reads))
         if not reads:
             return Load(parts, resolved(None), blocked)
-        return Load(parts, self._loader.read(reads, timeout_s or self.config.load_timeout_s), blocked)
+        future, begin = self._loader.prepare(reads, timeout_s or self.config.load_timeout_s)
+        if start:
+            begin()
+        return Load(parts, future, blocked, begin)
+
+    @property
+    def keeps_loaded_records(self) -> bool:
+        """Whether a record read for a load stays in the cpu tier afterwards (promotion,
+        from its slot); if not, a load may have it read straight to where its blocks go
+        (`Load.place_with`)."""
+        return self.memory.retain and self.config.promote
 
     def view(self, part: LoadPart) -> torch.Tensor:
         """The part's blocks in its slot, `[count, *block shape]` (valid until closed)."""
@@ -611,7 +631,7 @@ class TieredStore:
         """Done reads: keep the records that arrived in the cpu tier (or free their slot
         without one), give back the slots of those that did not. TIMED_OUT slots are the
         loader's to free."""
-        keep = self.memory.retain and self.config.promote
+        keep = self.keeps_loaded_records
         for read in reads:
             self._reading.pop(read.name, None)
             if read.state is ReadState.OK and keep:

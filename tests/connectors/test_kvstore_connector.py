@@ -177,11 +177,13 @@ def test_a_different_salt_shares_nothing(cache, tmp_path):
 def test_an_aborted_load_never_writes_the_device_cache(cache, tmp_path, tiers):
     connector = make_connector(cache, tmp_path, tiers=tiers)
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
+    gate = held_disk_reads(connector)  # the disk reads arrive after the abort
     request = make_request("b", 21)
     table = [30, 31, 32, 33, 34, 35]
     num_external, _ = admit(connector, request, 0, table)
     assert num_external == 20
     connector.request_finished(request, table)
+    gate.set()
     run_step(connector, [], [])
     wait_until_abandoned_slots_are_free(connector)
     assert block_values(cache, table) == [30, 31, 32, 33, 34, 35]
@@ -204,16 +206,17 @@ def test_async_disk_load_reports_what_arrived_and_is_copied_in_the_next_step(cac
 
 
 def held_disk_reads(connector: KVStoreConnector) -> threading.Event:
-    """Make the disk tier's reads wait until the returned event is set, then read."""
+    """Make the store's record reads wait until the returned event is set, then read (in
+    place into the device blocks, or through the slots)."""
     gate = threading.Event()
-    disk = connector.store.lower[0]
-    read = disk.get
+    loader = connector.store._loader
+    read_part = loader._read_part
 
-    async def held_get(names, regions):
+    async def held_read_part(tier, ask):
         await asyncio.to_thread(gate.wait, 10)
-        return await read(names, regions)
+        return await read_part(tier, ask)
 
-    disk.get = held_get
+    loader._read_part = held_read_part
     return gate
 
 

@@ -150,6 +150,11 @@ def test_new_questions_on_a_stored_document_load_every_shared_block(tiny_llama, 
                 one_by_one(llm, [doc], 1)
                 assert llm.engine.connector.store.drain(30)  # the disk and Redis writes are known
             assert ask(llm, prompts) == [(tokens, n // 16 * 16) for tokens, n in zip(expected, shared, strict=True)]
+            # Without a cpu tier to promote into, disk records (in the page cache) are read
+            # straight into the device blocks, a record read in part included; Redis replies
+            # land in the slots.
+            placed = llm.engine.connector.store.counters["placed_records"]
+            assert placed > 0 if tiers == "disk" else placed == 0
 
 
 def test_offload_preemption_recomputes_fewer_tokens_than_recompute(tiny_llama):
