@@ -60,8 +60,9 @@ class RecordRead:
     state: ReadState = ReadState.PENDING
     on_arrival: Callable[[], None] | None = None  # called on the I/O thread once verified
     # Offered by whoever will copy the blocks out (a load on a CPU cache whose slot is not
-    # kept): `place(fill)` calls `fill(destinations)`, record block -> memory, under its
-    # lock, and True from fill means the blocks are there and verified.
+    # kept): `place(fill)` calls `fill(destinations)`, record block -> memory, while the
+    # destinations are safe to write (or returns False), and True from fill means the
+    # blocks are there and verified.
     place: Callable[[Callable[[Mapping[int, memoryview]], bool]], bool] | None = None
 
 
