@@ -8,9 +8,9 @@ between the store's host slots and the device KV cache, one copy each way.
   thread, while the request waits for the others (`copy_on_arrival`); the step copies
   only what was in before. When the store does not keep the records it reads (no cpu
   tier to promote into), a record the tier can read without waiting is read straight
-  into the device blocks instead (`Load.place_with`), claiming its part as a copy does. The request owns its device blocks until it is freed, and
-  every copy into them ends before `seal` returns, which runs before they are freed or
-  read.
+  into the device blocks instead (`Load.place_with`), claiming its part as a copy
+  does. The request owns its device blocks until it is freed, and every copy into them
+  ends before `seal` returns, which runs before they are freed or read.
 - A save: a slot is reserved for the record, the device blocks are copied into its
   payload, and once that copy is done the slot is committed (cpu tier, write-behind).
 """
