@@ -207,25 +207,13 @@ class RecordCodec:
         header = parse_head(pieces[0])
         if header.codec is not Codec.NONE:
             return None
-        if header.total_len != length or len(pieces) != header.num_blocks + 2:
+        if header.total_len != length:
             raise TruncatedRecordError(f"record of {length} bytes, its header says {header.total_len}")
+        if len(pieces) != header.num_blocks + 2:
+            raise LayoutMismatchError(f"a record of {header.num_blocks} blocks read as {len(pieces) - 2}")
         if header.payload_len != header.raw_len or header.raw_len != header.num_blocks * self.spec.block_bytes:
             raise RecordFormatError("uncompressed payload length differs from raw length")
-        payload = pieces[1:-1]
-        digest = xxhash.xxh3_64()
-        for block in payload:
-            digest.update(block)
-        if digest.intdigest() != header.checksum:
-            raise ChecksumMismatchError("payload xxh3-64 mismatch")
-        if self.secret:
-            if not header.flags & FLAG_HMAC:
-                raise AuthenticationError("record is not signed and this store requires a secret")
-            mac = hmac.new(self.secret, pieces[0], hashlib.sha256)
-            for block in payload:
-                mac.update(block)
-            if not hmac.compare_digest(mac.digest(), pieces[-1][:MAC_SIZE]):
-                raise AuthenticationError("HMAC-SHA256 mismatch (written with another secret?)")
-        self.check_identity(header, block_hash)
+        self._check_payload(header, block_hash, pieces[0], pieces[1:-1], pieces[-1][:MAC_SIZE])
         return header
 
     def seal(self, key: _Key, slot: memoryview) -> memoryview:
@@ -256,11 +244,9 @@ class RecordCodec:
         subclass if anything is wrong."""
         view = memoryview(record).cast("B")
         header = parse_header(view)
-        payload = view[header.header_len : header.header_len + header.payload_len]
-        if xxhash.xxh3_64_intdigest(payload) != header.checksum:
-            raise ChecksumMismatchError("payload xxh3-64 mismatch")
-        self._authenticate(header, view)
-        self.check_identity(header, block_hash)
+        end = header.header_len + header.payload_len
+        payload = view[header.header_len : end]
+        self._check_payload(header, block_hash, view[: header.header_len], [payload], view[end : end + MAC_SIZE])
         return header, payload
 
     def decode_into(self, block_hash: bytes, record: Buffer, out: memoryview) -> RecordHeader:
@@ -314,17 +300,28 @@ class RecordCodec:
             end += MAC_SIZE
         return buf[:end]
 
-    def _mac(self, signed: memoryview) -> bytes:
-        return hmac.new(self.secret, signed, hashlib.sha256).digest()
+    def _mac(self, *signed: Buffer) -> bytes:
+        mac = hmac.new(self.secret, digestmod=hashlib.sha256)
+        for piece in signed:
+            mac.update(piece)
+        return mac.digest()
 
-    def _authenticate(self, header: RecordHeader, view: memoryview) -> None:
-        if not self.secret:
-            return
-        if not header.flags & FLAG_HMAC:
-            raise AuthenticationError("record is not signed and this store requires a secret")
-        end = header.header_len + header.payload_len
-        if not hmac.compare_digest(self._mac(view[:end]), view[end : end + MAC_SIZE]):
-            raise AuthenticationError("HMAC-SHA256 mismatch (written with another secret?)")
+    def _check_payload(self, header: RecordHeader, block_hash: bytes, head: Buffer,
+                       payload: Sequence[Buffer], mac: Buffer) -> None:
+        """The payload checksum, the HMAC (when the store has a secret) and the
+        identity of a record whose header bytes are `head` and whose stored payload is
+        the concatenation of `payload`."""
+        digest = xxhash.xxh3_64()
+        for piece in payload:
+            digest.update(piece)
+        if digest.intdigest() != header.checksum:
+            raise ChecksumMismatchError("payload xxh3-64 mismatch")
+        if self.secret:
+            if not header.flags & FLAG_HMAC:
+                raise AuthenticationError("record is not signed and this store requires a secret")
+            if not hmac.compare_digest(self._mac(head, *payload), mac):
+                raise AuthenticationError("HMAC-SHA256 mismatch (written with another secret?)")
+        self.check_identity(header, block_hash)
 
     def check_identity(self, header: RecordHeader, block_hash: bytes) -> None:
         """That `header` is of a record of this store named by `block_hash` (its last
