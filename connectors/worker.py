@@ -99,28 +99,32 @@ class Worker:
         copies = self._arriving[planned.request_id] = ArrivalCopies()
         offsets = list(itertools.accumulate((part.count for part in load.parts), initial=0))
 
+        def claimed_blocks(index: int) -> list[int]:
+            """The promised device blocks of part `index`, claimed for a copy ([]: none to
+            copy, or not now); the caller then calls `copies.finish`."""
+            first = offsets[index]
+            count = min(load.parts[index].count, planned.promised_blocks - first)
+            return planned.block_ids[first : first + count] if count > 0 and copies.claim(index) else []
+
         def arrived(index: int) -> None:
-            part, first = load.parts[index], offsets[index]
-            count = min(part.count, planned.promised_blocks - first)
-            if count <= 0 or not copies.claim(index):
+            blocks = claimed_blocks(index)
+            if not blocks:
                 return
-            block_ids = planned.block_ids[first : first + count]
             copied = False
             try:
-                self.copier.to_device_off_engine_thread(self.store.view(part)[:count], block_ids)
+                self.copier.to_device_off_engine_thread(self.store.view(load.parts[index])[: len(blocks)], blocks)
                 copied = True
             finally:
                 copies.finish(index, copied)
 
         def place(index: int, fill: Callable[[Mapping[int, memoryview]], bool]) -> bool:
-            part, first = load.parts[index], offsets[index]
-            count = min(part.count, planned.promised_blocks - first)
-            if count <= 0 or not copies.claim(index):
+            blocks = claimed_blocks(index)
+            if not blocks:
                 return False
-            blocks = planned.block_ids[first : first + count]
             placed = False
             try:
-                placed = fill({part.position + j: self._block_memory(block) for j, block in enumerate(blocks)})
+                position = load.parts[index].position
+                placed = fill({position + j: self._block_memory(block) for j, block in enumerate(blocks)})
             finally:
                 copies.finish(index, placed)
             return placed
