@@ -1,10 +1,12 @@
 """Helpers of the store tests and of their subprocess workers: a Redis Cluster of real
 redis-server processes (bench.redis_server), a tiny ChunkSpec, deterministic chunk
-payloads."""
+payloads, how much of a memory range is resident."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import mmap
 import time
 
 import torch
@@ -61,3 +63,15 @@ def make_spec(
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN-safe, dtype-agnostic)."""
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def resident_fraction(address: int, nbytes: int) -> float:
+    """Of the whole pages inside [address, address + nbytes), the fraction in memory
+    (mincore; for a file mapping, in the page cache)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    first = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    pages = ((address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE - first) // mmap.PAGESIZE
+    flags = ctypes.create_string_buffer(pages)
+    assert libc.mincore(first, pages * mmap.PAGESIZE, flags) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in flags.raw) / pages

@@ -4,15 +4,15 @@ and slots that keep nothing without the tier."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import mmap
 import sys
 
 import pytest
 import torch
 
+from tests.store.store_helpers import resident_fraction
 from tiers import CpuTier, PinTable, TierConfigError, cpu
-from tiers.cpu import ALREADY_PRESENT, NO_ROOM, PAGE_BYTES, SLOT_ALIGN
+from tiers.cpu import ALREADY_PRESENT, NO_ROOM, SLOT_ALIGN
 
 SLOT = 256
 
@@ -152,16 +152,9 @@ def test_clear_by_prefix_spares_pins():
     assert [tier.has(k) for k in ("m1-a", "m1-b", "m2-a")] == [False, True, True]
 
 
-def resident_fraction(tier: CpuTier, start: int, end: int) -> float:
-    """Of the whole pages inside slab bytes [start, end), the fraction in memory (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    base = tier.slab.data_ptr()
-    first = -(-(base + start) // PAGE_BYTES) * PAGE_BYTES
-    pages = ((base + end) // PAGE_BYTES * PAGE_BYTES - first) // PAGE_BYTES
-    flags = ctypes.create_string_buffer(pages)
-    assert libc.mincore(first, pages * PAGE_BYTES, flags) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in flags.raw) / pages
+def slab_resident_fraction(tier: CpuTier, start: int, end: int) -> float:
+    """Of the whole pages inside slab bytes [start, end), the fraction in memory."""
+    return resident_fraction(tier.slab.data_ptr() + start, end - start)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="pages are populated ahead on Linux only")
@@ -176,7 +169,7 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
     tier = CpuTier(64 * mib, mib, pin_memory=False)
     (name, populate), = tier.workers()
     assert name == "cpu-populate" and tier.populated_bytes == 0
-    assert resident_fraction(tier, 0, 64 * mib) == 0
+    assert slab_resident_fraction(tier, 0, 64 * mib) == 0
 
     async def until(condition) -> None:
         for _ in range(1000):
@@ -197,8 +190,8 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
         task.cancel()
 
     asyncio.run(scenario())
-    assert resident_fraction(tier, 0, 28 * mib) == 1
-    assert resident_fraction(tier, 32 * mib, 64 * mib) == 0  # past a huge page's reach
+    assert slab_resident_fraction(tier, 0, 28 * mib) == 1
+    assert slab_resident_fraction(tier, 32 * mib, 64 * mib) == 0  # past a huge page's reach
     assert bytes(tier.buffer(20)[:4]) == b"kept"
 
 
@@ -210,9 +203,9 @@ def test_make_resident_faults_in_the_whole_slab_keeps_its_bytes_and_stops_the_po
     tier = CpuTier(16 * mib, mib, pin_memory=False)
     assert tier.reserve("r0") == 0
     tier.buffer(0)[:4] = b"kept"
-    assert resident_fraction(tier, 0, 16 * mib) < 0.1
+    assert slab_resident_fraction(tier, 0, 16 * mib) < 0.1
     tier.make_resident()
-    assert resident_fraction(tier, 0, 16 * mib) == 1
+    assert slab_resident_fraction(tier, 0, 16 * mib) == 1
     assert tier.populated_bytes == 16 * mib and bytes(tier.buffer(0)[:4]) == b"kept"
     assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to populate
 

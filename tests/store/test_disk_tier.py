@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.store.store_helpers import resident_fraction
 from tiers import DiskTier, PinTable, TierConfigError
 
 
@@ -215,8 +216,7 @@ def test_read_in_place_scatters_a_cached_record_and_declines_what_it_cannot_read
 
 
 def cached_fraction(path) -> float:
-    """Of the file's pages, the fraction in the page cache (mincore on a mapping of it)."""
-    import ctypes
+    """Of the file's pages, the fraction in the page cache."""
     import mmap
 
     import numpy as np
@@ -224,13 +224,9 @@ def cached_fraction(path) -> float:
     size = os.path.getsize(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapping:
         view = np.frombuffer(mapping, dtype=np.uint8)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        pages = -(-size // mmap.PAGESIZE)
-        flags = ctypes.create_string_buffer(pages)
-        assert libc.mincore(view.ctypes.data, size, flags) == 0, ctypes.get_errno()
+        fraction = resident_fraction(view.ctypes.data, size)
         del view
-        return sum(b & 1 for b in flags.raw) / pages
+        return fraction
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RWF_NOWAIT and fadvise are Linux's")
