@@ -7,10 +7,12 @@ its stats, the admin operations (pin, unpin, flush) and its shutdown. A segmente
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,16 +74,16 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, resident_host_memory: bool = False) -> None:
+        """`resident_host_memory`: fault in the store's host memory before returning
+        (KVConnector.make_resident; a server asks for it), on a thread of its own while
+        the weights are packed and the fused ops compiled."""
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         kvkernels.set_backend(config.attention_backend)
         model_path = resolve_model(config.model)
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
-        self.model.pack_weights()
-        if config.fuse_elementwise:
-            self.model.fuse_large_steps()
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
@@ -95,10 +97,18 @@ class LLMEngine:
             self.num_kv_blocks, self.spec.num_layers, config.block_size,
             self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device,
         )
+        self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
+        try:
+            with _meanwhile(self.connector.make_resident if resident_host_memory else None):
+                self.model.pack_weights()
+                if config.fuse_elementwise:
+                    self.model.fuse_large_steps()
+        except BaseException:
+            self.connector.close()
+            raise
+        warn_if_shared_without_secret(self.config)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
-        self.connector = build_connector(self.config, kv_cache, self.fingerprint.digest)
-        warn_if_shared_without_secret(self.config)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
@@ -494,3 +504,16 @@ def _default_kv_cache_memory(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * CUDA_KV_CACHE_FRACTION)
     return DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+@contextlib.contextmanager
+def _meanwhile(work: Callable[[], None] | None) -> Iterator[None]:
+    """Run `work` on a thread of its own while the block runs; wait for it at the end and
+    raise what it raised."""
+    if work is None:
+        yield
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
+        done = pool.submit(work)
+        yield
+        done.result()

@@ -73,8 +73,11 @@ def create_state(
     from engine.llm_engine import LLMEngine  # heavy (torch, transformers)
 
     metrics = ServerMetrics(model_names[0], config.kv_offload)
+    # A server lives long: its store's host memory is faulted in before it takes traffic,
+    # so that no step pays for a first touch.
     async_engine = AsyncEngine(
-        lambda: _resident(LLMEngine(config)), max_pending_requests=settings.queue_size(config.max_num_seqs),
+        lambda: LLMEngine(config, resident_host_memory=True),
+        max_pending_requests=settings.queue_size(config.max_num_seqs),
         observer=metrics.requests, intra_op_threads=(torch.get_num_threads, torch.set_num_threads),
     )
     engine: LLMEngine = async_engine.engine
@@ -99,13 +102,6 @@ def create_state(
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,
     )
-
-
-def _resident(engine: LLMEngine) -> LLMEngine:
-    """A server lives long: its store's host memory is faulted in before it takes traffic
-    (KVConnector.make_resident), so that no step pays for a first touch."""
-    engine.connector.make_resident()
-    return engine
 
 
 def _body_decoder(async_engine: AsyncEngine, max_request_bytes: int) -> BodyDecoder:
