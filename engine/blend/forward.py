@@ -14,10 +14,12 @@ region; layers 2 and up compute only the tokens without stored KV and a fraction
 `recompute_ratio` of the reusable ones: those the question attends to most. Before the
 region, the question's tokens alone (the computed tokens after the last reused one) run
 through every layer over the moved KV, and each reused token scores the largest
-attention weight any of their heads pays it after the check layer. Moved KV errs most
-where the answer reads: a planted fact and the distractors like it draw more attention
-from the question than they do in context, and recomputing them in context restores
-that balance. CacheBlend's measure, the tokens whose values deviate most from their
+attention weight any of their heads pays it after the check layer; the tokens are ranked
+by the largest score within `NEIGHBOURS` tokens of them in their segment (their own score
+breaks ties), so that a token the question reads is recomputed with the words around it.
+Moved KV errs most where the answer reads: a planted fact and the distractors like it
+draw more attention from the question than they do in context, and recomputing them in
+context restores that balance. CacheBlend's measure, the tokens whose values deviate most from their
 stored ones at the check layer, recomputes what changed most whether or not the question
 reads it; it remains for a region without question tokens. Why the choice, measured:
 docs/ARCHITECTURE.md, "Blending". Ratio 1 computes everything: a full prefill.
@@ -43,6 +45,9 @@ from engine.models.rope import apply_rotary, inverse_frequencies
 
 # The layer whose KV deviation picks the tokens to recompute (see the module docstring).
 CHECK_LAYER = 1
+# A reused token is worth what the question pays it or its neighbours within this many
+# tokens of its segment: a fact is recomputed with the words around it.
+NEIGHBOURS = 2
 # About this many fp32 attention scores per tile of `_weighed_attention`.
 _TILE_SCORES = 1 << 21
 # Query rows per fused attention call (fewer rows see fewer keys; measured on CPU).
@@ -113,11 +118,12 @@ def blend_prefill(
     check_layer = min(CHECK_LAYER, len(core.layers) - 1)
     count = round(plan.recompute_ratio * len(reused))
     selective = 0 < count < len(reused)  # some reused tokens are recomputed, not all
-    scores = None  # what picks them
+    ranking = None  # reused rows, most worth recomputing first
     if selective:
         question = computed[computed > reused.max()]
         if len(question):
-            scores = _question_attention(core, kv_cache, plan, reused, question, move, check_layer)
+            attention = _question_attention(core, kv_cache, plan, reused, question, move, check_layer)
+            ranking = _rank(_with_neighbours(attention, plan.reuse_shift[reused]), attention)
     rows = torch.arange(n, device=device)
     rows_cpu = torch.arange(n)
     x = core.embed_tokens(plan.token_ids)
@@ -129,9 +135,10 @@ def blend_prefill(
         if index <= check_layer:  # every row is computed: fresh KV for the whole region
             k_region, v_region = k, v
             if index == check_layer:
-                if scores is None and selective:
-                    scores = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
-                rows = _select(reused, computed, count, scores)
+                if ranking is None and selective:
+                    deviation = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
+                    ranking = deviation.argsort(descending=True)
+                rows = _select(reused, computed, count, ranking)
                 rows_cpu = rows.cpu()
                 q, x = q[rows], x[rows]
         else:
@@ -193,15 +200,31 @@ def _value_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     return (fresh.float() - stored.float()).square().sum((1, 2))
 
 
-def _select(reused: torch.Tensor, computed: torch.Tensor, count: int, scores: torch.Tensor | None) -> torch.Tensor:
+def _with_neighbours(scores: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """Each reused token's score raised to the largest of the tokens within `NEIGHBOURS`
+    of it in the same segment (`segment`: one value per segment, its tokens adjacent)."""
+    out = scores.clone()
+    for d in range(1, NEIGHBOURS + 1):
+        same = segment[d:] == segment[:-d]
+        out[:-d] = torch.where(same, torch.maximum(out[:-d], scores[d:]), out[:-d])
+        out[d:] = torch.where(same, torch.maximum(out[d:], scores[:-d]), out[d:])
+    return out
+
+
+def _rank(primary: torch.Tensor, tie_break: torch.Tensor) -> torch.Tensor:
+    """Indices by descending `primary`, equal values by descending `tie_break`."""
+    order = tie_break.argsort(descending=True, stable=True)
+    return order[primary[order].argsort(descending=True, stable=True)]
+
+
+def _select(reused: torch.Tensor, computed: torch.Tensor, count: int, ranking: torch.Tensor | None) -> torch.Tensor:
     """Region rows computed after the check layer: every token without stored KV, and
-    the `count` reusable tokens of the highest `scores`."""
+    the first `count` reusable tokens of `ranking` (indices into `reused`)."""
     if count == 0:
         return computed
     if count >= len(reused):
         return torch.cat([computed, reused]).sort().values
-    chosen = reused[scores.topk(count).indices]
-    return torch.cat([computed, chosen]).sort().values
+    return torch.cat([computed, reused[ranking[:count]]]).sort().values
 
 
 class _Mover:
