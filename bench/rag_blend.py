@@ -66,7 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.3, 1.0])
     p.add_argument("--ttft-queries", type=int, default=6)
     p.add_argument("--ttft-doc-tokens", type=int, default=500)
-    p.add_argument("--num-kv-blocks", type=int, default=2560)
+    p.add_argument("--num-kv-blocks", type=int, default=8192,
+                   help="Room for every document beside the running queries: a document evicted while "
+                        "its queries wait is computed in context, which is no longer a blend.")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="Large enough for a whole prompt, so the full prefill is one step.")
