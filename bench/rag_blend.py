@@ -408,10 +408,16 @@ def render(result: dict) -> str:
     return intro + table + "\n" + _replay_line(result) + _targets(result) + "\n" + profile_tables(result)
 
 
-def _relative_accuracy(result: dict, run: dict) -> str:
+def _accuracy_vs_full(result: dict, run: dict) -> tuple[float, float, float]:
+    """A run's accuracy over the full prefill's, and that ratio's 95% interval."""
     full = result["full"]["accuracy"]
     low, high = run["accuracy_ratio_95"]
-    return f"{run['accuracy'] / full:.2f} ({low:.2f}-{high:.2f})" if full else "-"
+    return (run["accuracy"] / full if full else float("nan")), low, high
+
+
+def _relative_accuracy(result: dict, run: dict) -> str:
+    relative, low, high = _accuracy_vs_full(result, run)
+    return f"{relative:.2f} ({low:.2f}-{high:.2f})"
 
 
 def _replay_line(result: dict) -> str:
@@ -427,9 +433,7 @@ def _targets(result: dict) -> str:
     run = result["ratios"].get(str(DEFAULT_RATIO))
     if run is None:
         return f"(no run at the default ratio {DEFAULT_RATIO}: targets not measured)\n"
-    full = result["full"]["accuracy"]
-    relative = run["accuracy"] / full if full else float("nan")
-    low, high = run["accuracy_ratio_95"]
+    relative, low, high = _accuracy_vs_full(result, run)
     rows = [[f"TTFT blend / full at ratio {DEFAULT_RATIO}", f"<= {TTFT_TARGET}", f"{run['ttft_ratio']:.2f}",
              "met" if run["ttft_ratio"] <= TTFT_TARGET else "not met"],
             [f"accuracy at ratio {DEFAULT_RATIO} / full prefill's", f">= {ACCURACY_TARGET}",
@@ -485,9 +489,7 @@ def _targets_sentence(result: dict) -> str:
     run = result["ratios"].get(str(DEFAULT_RATIO))
     if run is None:
         return ""
-    full = result["full"]["accuracy"]
-    relative = run["accuracy"] / full if full else float("nan")
-    low, high = run["accuracy_ratio_95"]
+    relative, low, high = _accuracy_vs_full(result, run)
     return (f"At the default ratio {DEFAULT_RATIO}, TTFT is {run['ttft_ratio']:.2f}x the full prefill's "
             f"(target <= {TTFT_TARGET}: {'met' if run['ttft_ratio'] <= TTFT_TARGET else 'not met'}) and accuracy "
             f"{relative:.2f}x the full prefill's (target >= {ACCURACY_TARGET}: "
