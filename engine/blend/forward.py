@@ -24,6 +24,14 @@ stored ones at the check layer, recomputes what changed most whether or not the 
 reads it; it remains for a region without question tokens. Why the choice, measured:
 docs/ARCHITECTURE.md, "Blending". Ratio 1 computes everything: a full prefill.
 
+Segment error. Moved KV errs in a common direction across its segment: the document was
+computed without the context before it, and all its tokens lack the same thing. When the
+budget allows, part of it recomputes a sample of each segment (every `SAMPLE_STRIDE`-th
+token of the stored segment), and at each layer after the check layer every token that
+keeps its moved KV gets its segment's mean error on that sample added: values as they
+are, keys in the unrotated frame (a constant error there turns with the position after
+RoPE).
+
 Attention runs over the gathered context and region KV with a causal mask by absolute
 position (recomputed tokens are scattered, which the paged kernels do not handle):
 scaled_dot_product_attention in row tiles, each reading the keys its last row sees; the
@@ -48,6 +56,12 @@ CHECK_LAYER = 1
 # A reused token is worth what the question pays it or its neighbours within this many
 # tokens of its segment: a fact is recomputed with the words around it.
 NEIGHBOURS = 2
+# One token in this many of a stored segment (by its offset there) is recomputed as a sample
+# of the segment's error...
+SAMPLE_STRIDE = 32
+# ...when the recompute budget is at least this many times the sample: at lower ratios the
+# rest of the blend is too far off for a mean error to help (docs/ARCHITECTURE.md).
+SAMPLE_BUDGET_SHARE = 4
 # About this many fp32 attention scores per tile of `_weighed_attention`.
 _TILE_SCORES = 1 << 21
 # Query rows per fused attention call (fewer rows see fewer keys; measured on CPU).
@@ -126,6 +140,7 @@ def blend_prefill(
             ranking = _rank(_with_neighbours(attention, plan.reuse_shift[reused]), attention)
     rows = torch.arange(n, device=device)
     rows_cpu = torch.arange(n)
+    segment_error = None
     x = core.embed_tokens(plan.token_ids)
     for index, layer in enumerate(core.layers):
         kv_layer = kv_cache[:, index]
@@ -138,13 +153,20 @@ def blend_prefill(
                 if ranking is None and selective:
                     deviation = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
                     ranking = deviation.argsort(descending=True)
-                rows = _select(reused, computed, count, ranking)
+                sampled = _error_sample(positions[reused] - plan.reuse_shift[reused], count) if selective else None
+                rows = _select(reused, computed, count, ranking, sampled)
+                if sampled is not None:
+                    segment_error = _SegmentError(shift_rotary, reused, rows, sampled, positions[reused],
+                                                  plan.reuse_shift[reused])
                 rows_cpu = rows.cpu()
                 q, x = q[rows], x[rows]
         else:
             k_region = k.new_empty((n, *k.shape[1:]))
             v_region = v.new_empty((n, *v.shape[1:]))
-            k_region[reused], v_region[reused] = move(kv_layer)
+            moved_k, moved_v = move(kv_layer)
+            if segment_error is not None:
+                segment_error.correct(k, v, moved_k, moved_v)
+            k_region[reused], v_region[reused] = moved_k, moved_v
             k_region[rows], v_region[rows] = k, v
         kvkernels.write_kv(kv_layer, k_region, v_region, dest)
         keys = torch.cat([_gather(kv_layer, context, 0).to(k.dtype), k_region])
@@ -217,14 +239,67 @@ def _rank(primary: torch.Tensor, tie_break: torch.Tensor) -> torch.Tensor:
     return order[primary[order].argsort(descending=True, stable=True)]
 
 
-def _select(reused: torch.Tensor, computed: torch.Tensor, count: int, ranking: torch.Tensor | None) -> torch.Tensor:
+def _error_sample(offsets: torch.Tensor, count: int) -> torch.Tensor | None:
+    """Which reused tokens (by `offsets`, each one's offset in its stored segment) sample
+    their segment's error, or None when `count` recomputed tokens cannot afford them."""
+    sampled = offsets % SAMPLE_STRIDE == SAMPLE_STRIDE // 2
+    size = int(sampled.sum())
+    return sampled if size > 0 and SAMPLE_BUDGET_SHARE * size <= count else None
+
+
+def _select(
+    reused: torch.Tensor, computed: torch.Tensor, count: int, ranking: torch.Tensor | None,
+    sampled: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Region rows computed after the check layer: every token without stored KV, and
-    the first `count` reusable tokens of `ranking` (indices into `reused`)."""
+    `count` reusable tokens: the `sampled` ones (a mask over `reused`), then the first of
+    `ranking` (indices into `reused`)."""
     if count == 0:
         return computed
     if count >= len(reused):
         return torch.cat([computed, reused]).sort().values
+    if sampled is not None:
+        ranking = torch.cat([sampled.nonzero().squeeze(1), ranking[~sampled[ranking]]])
     return torch.cat([computed, reused[ranking[:count]]]).sort().values
+
+
+class _SegmentError:
+    """Per layer, each segment's mean error of its moved KV, measured on its sampled tokens
+    (computed in context at `rows`), added to its tokens that keep their moved KV. A
+    segment without a sampled token is left as it is."""
+
+    def __init__(
+        self, rotary: ShiftRotary, reused: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor,
+        positions: torch.Tensor, segment: torch.Tensor,
+    ) -> None:
+        self.rotary = rotary
+        self.sampled = sampled
+        self.sample_rows = torch.searchsorted(rows, reused[sampled])
+        self.kept = ~torch.isin(reused, rows)
+        _, segment_index = torch.unique(segment, return_inverse=True)
+        self.num_segments = int(segment_index.max()) + 1
+        self.sample_segment = segment_index[sampled]
+        self.kept_segment = segment_index[self.kept]
+        self.sample_positions = positions[sampled]
+        self.kept_positions = positions[self.kept]
+        sizes = torch.zeros(self.num_segments, device=reused.device).index_add_(
+            0, self.sample_segment, torch.ones(len(self.sample_segment), device=reused.device))
+        self.inverse_sizes = (1 / sizes.clamp(min=1))[:, None, None]
+
+    def correct(self, k: torch.Tensor, v: torch.Tensor, moved_k: torch.Tensor, moved_v: torch.Tensor) -> None:
+        """Add the error to `moved_k`/`moved_v` (the reused tokens' moved KV, in place), from
+        `k`/`v`, the layer's KV of the computed rows."""
+        key_error = self.rotary.rotate(
+            k[self.sample_rows].float() - moved_k[self.sampled].float(), -self.sample_positions)
+        value_error = v[self.sample_rows].float() - moved_v[self.sampled].float()
+        mean_key = self._mean(key_error)[self.kept_segment]
+        mean_value = self._mean(value_error)[self.kept_segment]
+        moved_k[self.kept] += self.rotary.rotate(mean_key, self.kept_positions).to(moved_k.dtype)
+        moved_v[self.kept] += mean_value.to(moved_v.dtype)
+
+    def _mean(self, error: torch.Tensor) -> torch.Tensor:
+        sums = error.new_zeros((self.num_segments, *error.shape[1:])).index_add_(0, self.sample_segment, error)
+        return sums * self.inverse_sizes
 
 
 class _Mover:

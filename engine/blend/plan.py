@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.hashing import hash_block, salt_extra
 
-BLEND_MARK_VERSION = b"kvtier-blend/v2"  # v2: tokens recomputed by the question's attention
+BLEND_MARK_VERSION = b"kvtier-blend/v3"  # v3: each segment's common error taken off its moved KV
 
 
 @dataclass(frozen=True)

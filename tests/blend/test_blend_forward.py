@@ -2,7 +2,8 @@
 check layer exist): with nothing reused it is a full prefill (transformers' logits);
 moved keys equal keys computed at the new position; the tokens recomputed are those the
 question attends to most, with their neighbours, or without a question those whose stored
-KV deviates most."""
+KV deviates most; a segment's common error, learnt from a sample of its tokens, is taken
+off the tokens that keep their moved KV."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.blend import forward
 from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
 from engine.model_runner import allocate_kv_cache
 from engine.models import load_model
@@ -186,3 +188,42 @@ def test_ratio_one_recomputes_everything_whatever_is_stored(model):
     _, result = scratch.run(tokens, range(32), reuse=junk, shift=torch.zeros(32, dtype=torch.long), ratio=1.0)
     assert result.num_reused == 0
     torch.testing.assert_close(result.hidden, full.hidden, atol=1e-6, rtol=1e-6)
+
+
+def test_a_segments_common_error_is_learnt_from_its_sample_and_taken_off_its_other_tokens(model, monkeypatch):
+    """Two segments of 40 tokens stored with their exact KV plus an error of their own,
+    the same for every token of the segment after the check layer (values as they are,
+    keys before rotation), then 8 question tokens. At ratio 0.15 the budget (12 tokens)
+    affords the sample (offset 16 of each segment): the sampled tokens are recomputed, the
+    error is learnt from them and taken off the others, and the blend is the full prefill.
+    Without the sample the error stays."""
+    tokens = prompt(88, seed=6)
+    scratch = Scratch(model)
+    whole, full = scratch.run(tokens, range(88))
+    reuse = exact_copy(scratch, whole.dest_slots)
+    reuse[80:] = -1
+    shift = torch.tensor([0] * 40 + [40] * 48)
+    offsets = torch.arange(80) % 40
+    g = torch.Generator().manual_seed(7)
+    blocks, slots = reuse[:80] // BLOCK_SIZE, reuse[:80] % BLOCK_SIZE
+    for layer in range(LAYERS):
+        keys = scratch.cache[blocks, layer, 0, slots]
+        stored = scratch.rotary.rotate(keys, -shift[:80])  # the second segment as computed from position 0
+        if layer > 1:
+            shape = (2, *keys.shape[1:])
+            key_error, value_error = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            segment = torch.arange(80) // 40
+            stored += scratch.rotary.rotate(key_error[segment], offsets)
+            scratch.cache[blocks, layer, 1, slots] += value_error[segment]
+        scratch.cache[blocks, layer, 0, slots] = stored
+    plan, result = scratch.run(tokens, range(88), reuse=reuse, shift=shift, ratio=0.15)
+    assert len(result.rows) == 12 + 8 and {16, 56} <= set(result.rows.tolist())
+    torch.testing.assert_close(result.hidden, full.hidden[result.rows], atol=1e-4, rtol=1e-4)
+    for layer in range(LAYERS):
+        torch.testing.assert_close(scratch.kv(plan.dest_slots, layer), scratch.kv(whole.dest_slots, layer),
+                                   atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setattr(forward, "SAMPLE_BUDGET_SHARE", 7)  # 2 sampled tokens need 14 > 12
+    _, unsampled = scratch.run(tokens, range(88), reuse=reuse, shift=shift, ratio=0.15)
+    assert len(unsampled.rows) == 12 + 8
+    assert not torch.allclose(unsampled.hidden[-8:], full.hidden[-8:], atol=1e-2, rtol=1e-2)
