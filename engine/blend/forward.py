@@ -106,11 +106,26 @@ class ShiftRotary:
         inv_freq, _scaling = inverse_frequencies(args.rope_parameters, args.head_dim)
         self.inv_freq = inv_freq.to(next(model.parameters()).device)
 
+    def rotation(self, shift: torch.Tensor) -> Rotation:
+        """The rotation of n keys by `shift [n]` positions, to apply at every layer."""
+        angles = shift.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        return Rotation(angles.cos().unsqueeze(1), angles.sin().unsqueeze(1))
+
     def rotate(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """`keys [n, heads, head_dim]` moved by `shift [n]` positions, computed in fp32."""
-        angles = shift.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
+        return self.rotation(shift)(keys)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Per key, the cos and sin of its rotation, `[n, 1, head_dim // 2]` in fp32."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        """`keys [n, heads, head_dim]` rotated, computed in fp32, in their own dtype."""
+        return apply_rotary(keys.float(), self.cos, self.sin).to(keys.dtype)
 
 
 def blend_prefill(
@@ -266,22 +281,23 @@ def _select(
 class _SegmentError:
     """Per layer, each segment's mean error of its moved KV, measured on its sampled tokens
     (computed in context at `rows`), added to its tokens that keep their moved KV. A
-    segment without a sampled token is left as it is."""
+    segment without a sampled token is left as it is. Indices and rotations are worked out
+    once, for every layer."""
 
     def __init__(
         self, rotary: ShiftRotary, reused: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor,
         positions: torch.Tensor, segment: torch.Tensor,
     ) -> None:
-        self.rotary = rotary
-        self.sampled = sampled
-        self.sample_rows = torch.searchsorted(rows, reused[sampled])
-        self.kept = ~torch.isin(reused, rows)
+        kept = ~torch.isin(reused, rows)
+        self.sampled = sampled.nonzero().squeeze(1)
+        self.kept = kept.nonzero().squeeze(1)
+        self.sample_rows = torch.searchsorted(rows, reused[self.sampled])
         _, segment_index = torch.unique(segment, return_inverse=True)
         self.num_segments = int(segment_index.max()) + 1
-        self.sample_segment = segment_index[sampled]
+        self.sample_segment = segment_index[self.sampled]
         self.kept_segment = segment_index[self.kept]
-        self.sample_positions = positions[sampled]
-        self.kept_positions = positions[self.kept]
+        self.unrotate_sample = rotary.rotation(-positions[self.sampled])
+        self.rotate_kept = rotary.rotation(positions[self.kept])
         sizes = torch.zeros(self.num_segments, device=reused.device).index_add_(
             0, self.sample_segment, torch.ones(len(self.sample_segment), device=reused.device))
         self.inverse_sizes = (1 / sizes.clamp(min=1))[:, None, None]
@@ -289,13 +305,12 @@ class _SegmentError:
     def correct(self, k: torch.Tensor, v: torch.Tensor, moved_k: torch.Tensor, moved_v: torch.Tensor) -> None:
         """Add the error to `moved_k`/`moved_v` (the reused tokens' moved KV, in place), from
         `k`/`v`, the layer's KV of the computed rows."""
-        key_error = self.rotary.rotate(
-            k[self.sample_rows].float() - moved_k[self.sampled].float(), -self.sample_positions)
+        key_error = self.unrotate_sample(k[self.sample_rows].float() - moved_k[self.sampled].float())
         value_error = v[self.sample_rows].float() - moved_v[self.sampled].float()
-        mean_key = self._mean(key_error)[self.kept_segment]
+        mean_key = self.rotate_kept(self._mean(key_error)[self.kept_segment])
         mean_value = self._mean(value_error)[self.kept_segment]
-        moved_k[self.kept] += self.rotary.rotate(mean_key, self.kept_positions).to(moved_k.dtype)
-        moved_v[self.kept] += mean_value.to(moved_v.dtype)
+        moved_k.index_add_(0, self.kept, mean_key.to(moved_k.dtype))
+        moved_v.index_add_(0, self.kept, mean_value.to(moved_v.dtype))
 
     def _mean(self, error: torch.Tensor) -> torch.Tensor:
         sums = error.new_zeros((self.num_segments, *error.shape[1:])).index_add_(0, self.sample_segment, error)
@@ -306,13 +321,12 @@ class _Mover:
     """Reads the stored KV of the reused tokens from one layer and moves the keys."""
 
     def __init__(self, rotary: ShiftRotary, sources: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor) -> None:
-        self.rotary = rotary
+        self.rotation = rotary.rotation(shift)
         self.sources = sources
-        self.shift = shift
 
     def __call__(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys = _gather(kv_layer, self.sources, 0)
-        return self.rotary.rotate(keys, self.shift), _gather(kv_layer, self.sources, 1)
+        return self.rotation(keys), _gather(kv_layer, self.sources, 1)
 
 
 def _split_slots(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
