@@ -140,7 +140,8 @@ def blend_prefill(
     computed = (plan.reuse_slots < 0).nonzero().squeeze(1)
     context = _split_slots(plan.context_slots, block_size)
     dest = plan.dest_slots
-    move = _Mover(shift_rotary, _split_slots(plan.reuse_slots[reused], block_size), plan.reuse_shift[reused])
+    shift = plan.reuse_shift[reused]  # one value per segment: what tells reused tokens' segments apart
+    move = _Mover(shift_rotary, _split_slots(plan.reuse_slots[reused], block_size), shift)
     positions = plan.positions_cpu.to(device)
     cos, sin = core.rotary.cos_sin(positions)
     key_positions = torch.cat([torch.arange(len(plan.context_slots)), plan.positions_cpu])
@@ -152,7 +153,7 @@ def blend_prefill(
         question = computed[computed > reused.max()]
         if len(question):
             attention = _question_attention(core, kv_cache, plan, reused, question, move, check_layer)
-            ranking = _rank(_with_neighbours(attention, plan.reuse_shift[reused]), attention)
+            ranking = _rank(_with_neighbours(attention, shift), attention)
     rows = torch.arange(n, device=device)
     rows_cpu = torch.arange(n)
     segment_error = None
@@ -168,11 +169,11 @@ def blend_prefill(
                 if ranking is None and selective:
                     deviation = _value_deviation(v[reused], _gather(kv_layer, move.sources, 1))
                     ranking = deviation.argsort(descending=True)
-                sampled = _error_sample(positions[reused] - plan.reuse_shift[reused], count) if selective else None
+                reused_positions = positions[reused]
+                sampled = _error_sample(reused_positions - shift, count) if selective else None
                 rows = _select(reused, computed, count, ranking, sampled)
                 if sampled is not None:
-                    segment_error = _SegmentError(shift_rotary, reused, rows, sampled, positions[reused],
-                                                  plan.reuse_shift[reused])
+                    segment_error = _SegmentError(shift_rotary, reused, rows, sampled, reused_positions, shift)
                 rows_cpu = rows.cpu()
                 q, x = q[rows], x[rows]
         else:
@@ -298,9 +299,8 @@ class _SegmentError:
         self.kept_segment = segment_index[self.kept]
         self.unrotate_sample = rotary.rotation(-positions[self.sampled])
         self.rotate_kept = rotary.rotation(positions[self.kept])
-        sizes = torch.zeros(self.num_segments, device=reused.device).index_add_(
-            0, self.sample_segment, torch.ones(len(self.sample_segment), device=reused.device))
-        self.inverse_sizes = (1 / sizes.clamp(min=1))[:, None, None]
+        sizes = torch.bincount(self.sample_segment, minlength=self.num_segments)
+        self.inverse_sizes = (1 / sizes.clamp(min=1).float())[:, None, None]
 
     def correct(self, k: torch.Tensor, v: torch.Tensor, moved_k: torch.Tensor, moved_v: torch.Tensor) -> None:
         """Add the error to `moved_k`/`moved_v` (the reused tokens' moved KV, in place), from
