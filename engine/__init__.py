@@ -2,7 +2,6 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from engine.blend.segments import Segments
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments", "__version__"]
@@ -14,7 +13,12 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 
 def __getattr__(name: str):
-    """Import the heavy engine modules only when they are used (the CLI's --help stays fast)."""
+    """Import the heavy engine modules only when they are used: the CLI's --help and its
+    option checks run before torch is imported (engine.blend pulls it in, too)."""
+    if name == "Segments":
+        from engine.blend.segments import Segments
+
+        return Segments
     if name == "LLM":
         from engine.llm import LLM
 

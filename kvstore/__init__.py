@@ -1,40 +1,45 @@
 """Content-addressed KV record store over the cpu, disk and redis tiers.
 
 Entry point: `TieredStore.from_options(ChunkSpec.for_kv_layout(...), tiers="cpu,disk")`.
+
+The names below are imported on first use: `kvstore.config` (which the CLI's option
+checks need) must not pull in torch through the store, so that a bad flag is reported
+before any heavy import.
 """
 
-from kvstore.config import StoreConfig
-from kvstore.errors import (
-    ChunkSpecError,
-    RecordError,
-    StoreClosedError,
-    StoreConfigError,
-    StoreError,
-)
-from kvstore.index import BlockLocation, StoredRecord
-from kvstore.keys import ChunkKey
-from kvstore.saving import SaveResult
-from kvstore.spec import ChunkSpec, host_copy
-from kvstore.stats import StoreSnapshot
-from kvstore.store import Load, LoadPart, LoadResult, LookupResult, TieredStore
+from __future__ import annotations
 
-__all__ = [
-    "BlockLocation",
-    "ChunkKey",
-    "ChunkSpec",
-    "ChunkSpecError",
-    "Load",
-    "LoadPart",
-    "LoadResult",
-    "LookupResult",
-    "RecordError",
-    "SaveResult",
-    "StoreClosedError",
-    "StoreConfig",
-    "StoreConfigError",
-    "StoreError",
-    "StoreSnapshot",
-    "StoredRecord",
-    "TieredStore",
-    "host_copy",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BlockLocation": "kvstore.index",
+    "ChunkKey": "kvstore.keys",
+    "ChunkSpec": "kvstore.spec",
+    "ChunkSpecError": "kvstore.errors",
+    "Load": "kvstore.store",
+    "LoadPart": "kvstore.store",
+    "LoadResult": "kvstore.store",
+    "LookupResult": "kvstore.store",
+    "RecordError": "kvstore.errors",
+    "SaveResult": "kvstore.saving",
+    "StoreClosedError": "kvstore.errors",
+    "StoreConfig": "kvstore.config",
+    "StoreConfigError": "kvstore.errors",
+    "StoreError": "kvstore.errors",
+    "StoreSnapshot": "kvstore.stats",
+    "StoredRecord": "kvstore.index",
+    "TieredStore": "kvstore.store",
+    "host_copy": "kvstore.spec",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.errors import StoreConfigError
-from kvstore.record import RecordCodec
-from tiers.base import RecordTier
-from tiers.cpu import CpuTier
 from tiers.disk import FSYNC_POLICIES, DiskTier
 from tiers.errors import TierConfigError
-from tiers.pins import PinTable
-from tiers.redis_tier import RedisTier
+
+if TYPE_CHECKING:  # StoreConfig is checked before torch is imported (the CLI's bad flags)
+    from kvstore.record import RecordCodec
+    from tiers.base import RecordTier
+    from tiers.cpu import CpuTier
+    from tiers.pins import PinTable
 
 TIER_ORDER = ("cpu", "disk", "redis")
 COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
@@ -89,6 +91,8 @@ class StoreConfig:
 
 def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> CpuTier:
     """The host slots: the cpu tier when configured, else staging slots that keep nothing."""
+    from tiers.cpu import CpuTier
+
     retain = "cpu" in config.tiers
     size = config.cpu_size if retain else config.staging_size
     try:
@@ -100,6 +104,8 @@ def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> Cpu
 def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> list[RecordTier]:
     """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError
     naming the tier's option."""
+    from tiers.redis_tier import RedisTier
+
     builders = {
         # Below a cpu tier, the page cache would hold a second copy of what the cpu tier holds.
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,

@@ -1,30 +1,40 @@
 """Storage tiers below the device: cpu memory slots, disk files, Redis (standalone or
-cluster), behind one interface (tiers.base)."""
+cluster), behind one interface (tiers.base).
 
-from tiers.base import RecordTier, Tier
-from tiers.cpu import CpuTier
-from tiers.disk import DiskTier
-from tiers.errors import RedisUrlError, TierConfigError, TierError
-from tiers.health import Health, HealthMonitor
-from tiers.pins import PinTable
-from tiers.redis_tier import RedisTier
-from tiers.redis_url import RedisTarget, parse_redis_url
-from tiers.stats import LatencySnapshot, TierSnapshot
+The names below are imported on first use, so that `tiers.disk`'s constants (which the
+CLI's option checks need) come without the cpu tier's torch.
+"""
 
-__all__ = [
-    "CpuTier",
-    "DiskTier",
-    "Health",
-    "HealthMonitor",
-    "LatencySnapshot",
-    "PinTable",
-    "RecordTier",
-    "RedisTarget",
-    "RedisTier",
-    "RedisUrlError",
-    "Tier",
-    "TierConfigError",
-    "TierError",
-    "TierSnapshot",
-    "parse_redis_url",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CpuTier": "tiers.cpu",
+    "DiskTier": "tiers.disk",
+    "Health": "tiers.health",
+    "HealthMonitor": "tiers.health",
+    "LatencySnapshot": "tiers.stats",
+    "PinTable": "tiers.pins",
+    "RecordTier": "tiers.base",
+    "RedisTarget": "tiers.redis_url",
+    "RedisTier": "tiers.redis_tier",
+    "RedisUrlError": "tiers.errors",
+    "Tier": "tiers.base",
+    "TierConfigError": "tiers.errors",
+    "TierError": "tiers.errors",
+    "TierSnapshot": "tiers.stats",
+    "parse_redis_url": "tiers.redis_url",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
