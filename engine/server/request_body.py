@@ -12,6 +12,7 @@ Small bodies are parsed in place: a thread hop costs more than they do.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -56,6 +57,11 @@ def _decode(raw: bytes) -> object:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
               "input": {}, "ctx": {"error": exc.msg}}]
+        ) from None
+    except ValueError:  # not a syntax error: an integer past Python's int/str conversion limit
+        raise APIError(
+            400, f"The request body holds an integer of more than {sys.get_int_max_str_digits()} digits.",
+            code="invalid_json",
         ) from None
 
 
