@@ -21,13 +21,23 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-LAYOUT_VERSION = 1
+# 2: the fingerprint gained config_digest and tokenizer_digest (records of version 1
+# named KV of another config alike; they are found under no key of version 2)
+LAYOUT_VERSION = 2
 HASH_BYTES = 32
 
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What makes KV bytes of two engines interchangeable."""
+    """What makes KV bytes of two engines interchangeable: a store shared by several
+    instances (disk directory, Redis) serves one instance's KV to another only when every
+    field agrees, so each input that changes the KV or what its keys mean is here.
+
+    `config_digest` is `ModelArgs.digest` (rope theta and scaling, norm epsilon, head
+    layout: checkpoints with the same weights and another config compute other KV);
+    `tokenizer_digest` is `engine.models.tokenizer_digest` (keys made from text);
+    `kv_dtype`, `block_size` and `layout_version` fix the bytes of a record.
+    """
 
     architecture: str
     num_layers: int
@@ -36,6 +46,8 @@ class ModelFingerprint:
     kv_dtype: str
     block_size: int
     weights_digest: str
+    config_digest: str
+    tokenizer_digest: str
     layout_version: int = LAYOUT_VERSION
 
     @property

@@ -27,7 +27,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
 from engine.kv_security import warn_if_shared_without_secret
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
-from engine.models import ModelSpec, load_model, load_tokenizer
+from engine.models import ModelSpec, load_model, load_tokenizer, tokenizer_digest
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -91,7 +91,9 @@ class LLMEngine:
         self.config = config.model_copy(
             update={"model": model_path, "max_model_len": self._max_model_len(config.max_model_len)}
         )
-        self.fingerprint = model_fingerprint(self.spec, self.dtype, config.block_size)
+        self.fingerprint = model_fingerprint(
+            self.spec, self.dtype, config.block_size, tokenizer_digest(self.tokenizer)
+        )
         self.num_kv_blocks = self._num_kv_blocks()
         kv_cache = allocate_kv_cache(
             self.num_kv_blocks, self.spec.num_layers, config.block_size,
@@ -475,7 +477,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def model_fingerprint(spec: ModelSpec, kv_dtype: torch.dtype, block_size: int) -> ModelFingerprint:
+def model_fingerprint(
+    spec: ModelSpec, kv_dtype: torch.dtype, block_size: int, tokenizer_digest: str
+) -> ModelFingerprint:
+    """The fingerprint of this engine's KV: the model's weights and parsed config
+    (`spec`), the tokenizer's identity, the KV dtype and block size."""
     return ModelFingerprint(
         architecture=spec.architecture,
         num_layers=spec.num_layers,
@@ -484,6 +490,8 @@ def model_fingerprint(spec: ModelSpec, kv_dtype: torch.dtype, block_size: int) -
         kv_dtype=str(kv_dtype).removeprefix("torch."),
         block_size=block_size,
         weights_digest=spec.weights_digest,
+        config_digest=spec.config_digest,
+        tokenizer_digest=tokenizer_digest,
     )
 
 

@@ -4,7 +4,7 @@ classes are never run here."""
 
 from engine.models.args import ModelLoadError, UnsupportedArchitectureError
 from engine.models.llama import CausalLM
-from engine.models.loader import checkpoint_config, load_model, load_tokenizer
+from engine.models.loader import checkpoint_config, load_model, load_tokenizer, tokenizer_digest
 from engine.models.spec import ModelSpec, resolve_dtype
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "resolve_dtype",
+    "tokenizer_digest",
 ]

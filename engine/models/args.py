@@ -6,7 +6,9 @@ captured by the flags of `ModelArgs` (biases, per-head q/k norm, tied embeddings
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -55,6 +57,32 @@ class ModelArgs:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 hex of these hyperparameters in a canonical form.
+
+        They are everything the forward pass reads from a config (rope theta and scaling,
+        norm epsilon, head layout, ...), so two checkpoints whose configs parse to equal
+        args compute the same KV from the same weights: this digest goes into the model
+        fingerprint (a store must not serve KV computed under another config). Built from
+        the parsed args, not config.json's bytes, so a GGUF file and a Hugging Face
+        directory both have one and formatting does not matter; numbers are compared as
+        floats, so `rope_theta: 10000` and `10000.0` agree.
+        """
+        canonical = json.dumps(_canonical(asdict(self)), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """`value` with every number as a float (bools kept), so equal numbers encode alike."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def architecture_of(config: Any) -> tuple[str, str]:

@@ -5,6 +5,8 @@ Hugging Face tensor names."""
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -83,6 +85,25 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
     if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
         raise ModelLoadError(f"--tokenizer {tokenizer_path}: no such directory (this machine cannot download)")
     return AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 hex of how `tokenizer` maps text to token ids.
+
+    Text becomes keys through it (segment keys of a blended prompt, pinned prefixes), so
+    it is part of the model fingerprint: two instances with the same weights and another
+    tokenizer must not share keys. A fast tokenizer is taken as the tokenizers library
+    serializes it (vocabulary, merges, normalizer, pre-tokenizer, post-processor, added
+    tokens: a canonical JSON, so tokenizer.json's formatting does not matter); any other
+    by its class and its vocabulary in id order.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        canonical = backend.to_str()
+    else:
+        vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+        canonical = json.dumps([type(tokenizer).__name__, vocab], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def checkpoint_config(path: str) -> dict[str, Any]:
@@ -227,4 +248,5 @@ def _spec(
         bos_token_id=bos if bos is not None else generation.get("bos_token_id"),
         torch_dtype=config_dtype_name(config),
         weights_digest=digest,
+        config_digest=args.digest,
     )

@@ -36,7 +36,8 @@ class ModelSpec:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: str | None  # the checkpoint's dtype as its config names it
-    weights_digest: str  # xxh3-128 hex over the safetensors files
+    weights_digest: str  # xxh3-128 hex over the safetensors files (or the GGUF file)
+    config_digest: str  # ModelArgs.digest: the parsed hyperparameters the KV depends on
 
 
 def resolve_dtype(

@@ -17,19 +17,20 @@ from engine.hashing import BlockHasher, ModelFingerprint, hash_block, salt_extra
 
 FINGERPRINT = ModelFingerprint(
     architecture="LlamaForCausalLM", num_layers=30, num_kv_heads=3, head_dim=64,
-    kv_dtype="bfloat16", block_size=16, weights_digest="0" * 64,
+    kv_dtype="bfloat16", block_size=16, weights_digest="0" * 64, config_digest="1" * 64,
+    tokenizer_digest="2" * 64,
 )
-FINGERPRINT_HEX = "2cf1689f072f7fb3bf3f2e2344a9107f07a090cddb5c3d7d3860914d5b7aff12"
-SEED_HEX = "b37c7b88c793cacd3d65089330c7c3c4b9ebba4457df9674aa59d7d0d7cdecd9"
+FINGERPRINT_HEX = "bf515f7c54b787fbba0553d470d8464c9fb7b9bc48451496271ad253a0308591"
+SEED_HEX = "be9cdd269a2e93e69a5b6a0ba5b22069bd183d300f64e316e06ebea360dedcf8"
 TOKENS = [0, 1, 2**31, 2**32 - 1, 49151, 7, 8, 9, 10]  # two full blocks of 4, one token left
 UNSALTED_HEX = [
-    "105490a9fdd5828a61c90104dc0c78725bef181de52e50132a9fec683eca785d",
-    "cc2e1effe541e32fd1d70589c2f52dd52d1b09073d0f76aa61e62a4b2a2388f0",
+    "bd8453244d9e6cdbe64704d3d1c3f45f75eed2232f282e4023c4a45a6c846d11",
+    "cf868138964bc24c4b2099d548a7eaf79cca9bc5c76cf30f69be92c0bf33daef",
 ]
 SALT = "tenant-a"
 SALTED_HEX = [
-    "d15ab159eadc23624b1618059415c4fd02ad155d125c8bca0735e2b13c3a4522",
-    "3b9e86736595e4831fc071ad5b2b85e9b7566f025abb6532c3bcd8a9e62a60fe",
+    "015322606c26de76a39ff059570031300921e2fd80a06d14b6549e12c23d4d72",
+    "ef27e07c0ad2a77d43855656828dc5d32058134ed3490300b24648710c3b07ce",
 ]
 
 
@@ -52,7 +53,8 @@ def test_the_fingerprint_and_seed_are_the_documented_bytes():
     assert FINGERPRINT.hex == FINGERPRINT_HEX
     assert seed_hash(FINGERPRINT.digest).hex() == SEED_HEX
     fields = {"architecture": "LlamaForCausalLM", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
-              "kv_dtype": "bfloat16", "block_size": 16, "weights_digest": "0" * 64, "layout_version": 1}
+              "kv_dtype": "bfloat16", "block_size": 16, "weights_digest": "0" * 64,
+              "config_digest": "1" * 64, "tokenizer_digest": "2" * 64, "layout_version": 2}
     assert documented_fingerprint(fields).hex() == FINGERPRINT_HEX
     assert hashlib.sha256(b"kvtier-block-seed/v1" + bytes.fromhex(FINGERPRINT_HEX)).hexdigest() == SEED_HEX
 
