@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeVar
 
+from jinja2.exceptions import TemplateError
+
 from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
@@ -115,7 +117,7 @@ class PromptTokenizer:
             return await asyncio.to_thread(fn, *args)
 
     def _encode_chat(self, messages: list[dict], separator: str | None, param: str) -> list[int] | SegmentedTokens:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._render_chat(messages, param)
         # The rendered template carries its own special tokens, as apply_chat_template's
         # own tokenization assumes.
         if separator and any(separator in m["content"] for m in messages):
@@ -123,6 +125,17 @@ class PromptTokenizer:
             if segments is not None:
                 return self._encode_segments(segments, False, param)
         return self._encode_text(text, False, param)
+
+    def _render_chat(self, messages: list[dict], param: str) -> str:
+        """The chat template's text for `messages`; a template that fails on them is a 400
+        naming the cause: its own `raise_exception`, an error in it (TemplateError), or a
+        limit of Jinja's sandbox that stopped it (`range()` beyond MAX_RANGE items is an
+        OverflowError), since the messages are what made it fail."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, OverflowError) as exc:
+            raise APIError(400, f"the chat template failed on these {param}: {type(exc).__name__}: {exc}",
+                           param=param, code="invalid_value") from None
 
     def _encode_segments(self, segments: Segments, add_special_tokens: bool, param: str) -> SegmentedTokens:
         texts = [p for p in segments.parts if isinstance(p, str)]

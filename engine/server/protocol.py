@@ -388,7 +388,7 @@ class PinRequest(_Strict):
 
     model: Text | None = None
     prompt: Annotated[str | list[int] | None, BeforeValidator(parse_prefix)] = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     ttl: float | None = Field(3600.0, gt=0.0, le=MAX_PIN_TTL_S)  # seconds; null: until unpinned
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
 

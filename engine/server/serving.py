@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi.responses import Response, StreamingResponse
-from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
 from engine.async_engine import EngineClosedError, EngineDeadError
@@ -51,7 +50,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     model = state.check_model(body.model)
     _check_logprobs(state, body.logprobs, "logprobs")
     prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
-    token_lists = await _tokenized(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
+    token_lists = await _translated(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
@@ -68,7 +67,7 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     _check_logprobs(state, body.top_logprobs, "top_logprobs")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    token_ids = await _tokenized(
+    token_ids = await _translated(
         state, state.prompts.encode_chat(messages, "messages", body.kv_blend_separator), "messages"
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -127,15 +126,6 @@ async def _translated(state: ServerState, work: Awaitable[T], prompt_param: str)
         if error.code == "queue_full":
             state.metrics.count_rejection("queue_full")
         raise error from exc
-
-
-async def _tokenized(state: ServerState, work: Awaitable[T], prompt_param: str) -> T:
-    """Await prompt tokenization, its errors as API errors."""
-    try:
-        return await _translated(state, work, prompt_param)
-    except TemplateError as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}",
-                       param=prompt_param, code="invalid_value") from exc
 
 
 async def _events(
