@@ -152,11 +152,15 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
 
     def tier_health(self) -> dict[str, str]: ...
 
-    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int: ...
+    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> tuple[int, int]:
+        """Pin the chunks of a sequence's full blocks: (chunks pinned, of them stored now)."""
+        ...
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int: ...
 
-    def flush(self, tiers: Sequence[str] | None) -> dict[str, int]: ...
+    def flush(self, tiers: Sequence[str] | None) -> Future[dict[str, int]]:
+        """Start a flush (TieredStore.flush): returns at once, the count per tier to come."""
+        ...
 
     def make_resident(self) -> None:
         """Fault in the store's host memory now, so that no step pays for a first touch
@@ -221,13 +225,13 @@ class NullConnector:
     def tier_health(self) -> dict[str, str]:
         return {}
 
-    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
+    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> tuple[int, int]:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
 
-    def flush(self, tiers: Sequence[str] | None) -> dict[str, int]:
+    def flush(self, tiers: Sequence[str] | None) -> Future[dict[str, int]]:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
 
     def make_resident(self) -> None:

@@ -151,15 +151,15 @@ class KVStoreConnector:
         """Each tier's health ("healthy" or "unhealthy"), read now (any thread)."""
         return self.store.health()
 
-    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> int:
+    def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> tuple[int, int]:
         keys = self.store.chunk_keys(block_hashes, self.geometry.block_size)
         self.store.pin(keys, ttl_s)
-        return len(keys)
+        return len(keys), sum(self.store.has_record(k.name) for k in keys)
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int:
         return self.store.unpin(self.store.chunk_keys(block_hashes, self.geometry.block_size))
 
-    def flush(self, tiers: Sequence[str] | None) -> dict[str, int]:
+    def flush(self, tiers: Sequence[str] | None) -> concurrent.futures.Future[dict[str, int]]:
         return self.store.flush(tiers)
 
     def make_resident(self) -> None:

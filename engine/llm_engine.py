@@ -424,22 +424,37 @@ class LLMEngine:
         return self.connector.tier_stats()
 
     def kv_pin(
-        self, prompt: str | list[int], ttl: float | None = None, cache_salt: str | None = None
-    ) -> dict[str, int]:
+        self, token_ids: Sequence[int], ttl: float | None = None, cache_salt: str | None = None
+    ) -> dict[str, int | str]:
         """Keep the stored chunks of this prompt's prefix in the cpu and disk tiers for
-        `ttl` seconds (None: until unpinned); chunks not saved yet are pinned when saved."""
-        chunks = self.connector.pin(self._prefix_hashes(prompt, cache_salt), ttl)
-        return {"pinned_chunks": chunks, "pinned_tokens": chunks * self.config.kv_chunk_tokens}
+        `ttl` seconds (None: until unpinned); chunks not saved yet are pinned when saved.
+        Takes token ids: a prompt is tokenized before it reaches the engine thread. The
+        answer says how many chunks are pinned and stored, and, when that is not every
+        chunk of the prompt, why (`reason`): a pin that does nothing must say so."""
+        chunks, stored = self.connector.pin(self.block_hasher.hashes(token_ids, cache_salt), ttl)
+        chunk_tokens = self.config.kv_chunk_tokens
+        answer: dict[str, int | str] = {
+            "pinned_chunks": chunks, "pinned_tokens": chunks * chunk_tokens, "stored_chunks": stored,
+        }
+        if chunks == 0:
+            answer["reason"] = (
+                f"nothing to pin: the prompt has {len(token_ids)} tokens, fewer than one chunk "
+                f"({chunk_tokens} tokens), and the store keeps whole chunks only"
+            )
+        elif stored < chunks:
+            answer["reason"] = (
+                f"{chunks - stored} of the {chunks} chunks are not stored yet (this prompt was not "
+                "computed, or its chunks were evicted): they stay pinned from when a request saves them"
+            )
+        return answer
 
-    def kv_unpin(self, prompt: str | list[int], cache_salt: str | None = None) -> dict[str, int]:
-        return {"unpinned_chunks": self.connector.unpin(self._prefix_hashes(prompt, cache_salt))}
+    def kv_unpin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
+        return {"unpinned_chunks": self.connector.unpin(self.block_hasher.hashes(token_ids, cache_salt))}
 
-    def kv_flush(self, tiers: Sequence[str] | None = None) -> dict[str, dict[str, int]]:
-        """Drop this model's unpinned chunks from the given tiers (default all)."""
-        return {"flushed_chunks": self.connector.flush(tiers)}
-
-    def _prefix_hashes(self, prompt: str | list[int], cache_salt: str | None) -> list[bytes]:
-        return self.block_hasher.hashes(self.encode(prompt), cache_salt)
+    def kv_flush(self, tiers: Sequence[str] | None = None) -> concurrent.futures.Future[dict[str, int]]:
+        """Start dropping this model's unpinned chunks from the given tiers (default all);
+        returns at once with the future of the count per tier (see TieredStore.flush)."""
+        return self.connector.flush(tiers)
 
     def shutdown(self) -> None:
         """Close the KV store: pending saves are written out (bounded wait)."""

@@ -521,15 +521,19 @@ class TieredStore:
         log.info("kvstore: %.2f GiB of host memory resident in %.1f s",
                  self.memory.slab.numel() / 2**30, time.perf_counter() - start)
 
-    def flush(self, tiers: Sequence[str] | None = None, timeout_s: float = 30.0) -> dict[str, int]:
-        """Drop every unpinned record of this model, chunk size and format from the given
-        tiers (default all); other models sharing a directory or Redis are left alone. An
-        admin call: it blocks, and raises TimeoutError past `timeout_s`."""
+    def flush(self, tiers: Sequence[str] | None = None) -> Future[dict[str, int]]:
+        """Start dropping every unpinned record of this model, chunk size and format from
+        the given tiers (default all); other models sharing a directory or Redis are left
+        alone. Returns at once with the future of the count per tier: the clears run on the
+        I/O loop (a Redis SCAN of millions of keys takes tens of seconds, which must not
+        stall the engine thread that calls this), and the index forgets the removed records
+        at the next `poll`. Cancelling the future stops the clear where it is."""
         self._check_open()
         chosen = [t for t in self.tiers if tiers is None or t.name in tiers]
-        flushed = {t.name: self._runtime.call(t.clear(self.keyer.namespace), timeout_s) for t in chosen}
-        self.poll()
-        return flushed
+        return self._runtime.submit(self._clear(chosen))
+
+    async def _clear(self, tiers: Sequence[Tier]) -> dict[str, int]:
+        return {t.name: await t.clear(self.keyer.namespace) for t in tiers}
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every pending write is done; False on timeout."""

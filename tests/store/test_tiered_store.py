@@ -121,7 +121,7 @@ def test_the_index_follows_what_tiers_drop(open_store):
     store = open_store("cpu,disk,redis", spec, cpu_size=2 * slot + slot // 2)
     keys = [save_chunks(store, [i])[0] for i in range(6)]
     assert store.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
-    assert store.flush(["disk"]) == {"disk": 6}
+    assert store.flush(["disk"]).result(30) == {"disk": 6}
     assert store.lookup(keys).tiers == ("redis",) * 4 + ("cpu",) * 2
     assert store.lookup([]).num_chunks == 0
     snapshot = store.stats().counters
@@ -584,7 +584,7 @@ def test_cluster_store_roundtrip_and_block_index(redis_cluster):
         assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
         with TieredStore.from_options(spec, tiers="redis", redis_url=redis_cluster) as reader:
             assert reader.probe(sequence(5, BLOCKS), 0, BLOCKS).result(10) == BLOCKS
-        assert store.flush() == {"redis": 12}
+        assert store.flush().result(30) == {"redis": 12}
 
 
 def test_flush_spares_other_models(open_store):
@@ -592,7 +592,7 @@ def test_flush_spares_other_models(open_store):
     other = open_store("disk", make_spec(fingerprint=b"\x04" * 32))
     save_chunks(mine, range(3))
     other_keys = save_chunks(other, range(2))
-    assert mine.flush() == {"cpu": 3, "disk": 3}
+    assert mine.flush().result(30) == {"cpu": 3, "disk": 3}
     assert other.lookup(other_keys).num_chunks == 2
 
 
