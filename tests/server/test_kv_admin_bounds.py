@@ -17,7 +17,13 @@ from transformers import AutoTokenizer
 from bench.redis_server import RedisServer
 from engine.server.errors import APIError
 from engine.server.prompts import PromptTokenizer
-from tests.server.server_helpers import ADMIN_TOKEN, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, server_flags
+from tests.server.server_helpers import (
+    ADMIN_TOKEN,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    ServerProcess,
+    server_flags,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
