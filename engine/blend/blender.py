@@ -238,13 +238,13 @@ class Blender:
             recomputed = self._blend(request, start, end, sources)
         finally:
             self.kv.block_pool.free_blocks(held)
-        reused = self._count(waiting, sources, recomputed)
+        reused, loaded = self._count(waiting, start, sources, recomputed)
         self.counters["kv_blend_requests"] += 1
         self.counters["kv_blend_prompt_tokens"] += request.num_prompt_tokens
         self.counters["kv_blend_prefix_hit_tokens"] += start
         self.counters["kv_blend_recomputed_tokens"] += end - start - reused + 1  # + the last token
         request.num_computed_tokens = end
-        request.num_cached_tokens = start + reused
+        request.num_cached_tokens = loaded
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         self.scheduler.add_running(request)
         return True
@@ -420,16 +420,25 @@ class Blender:
             hits.append(block)
         return hits
 
-    def _count(self, waiting: _Waiting, sources: ReuseSources, recomputed: list[int]) -> int:
+    def _count(self, waiting: _Waiting, start: int, sources: ReuseSources, recomputed: list[int]) -> tuple[int, int]:
         """Count the tokens that kept their moved KV, by where their segment's KV was
-        when the request came; returns their number."""
+        when the request came; returns their number, and how many of the prompt's tokens
+        had their KV loaded (its prefix hit of `start` tokens and those kept) rather than
+        computed by its own segment prefills: its cached tokens, which must not call
+        computed work a hit (a segment prefill computes the first segment's blocks under
+        the prompt's exact hashes, so they are in its prefix hit too)."""
         kept = [row for row, slot in enumerate(sources.slots) if slot >= 0]
         kept = sorted(set(kept) - set(recomputed))
+        loaded = start
+        for index, prefill in waiting.prefills.items():
+            seg_start, seg_end = waiting.tokens.bounds[index]
+            loaded -= sum(_source(prefill, offset) == "computed" for offset in range(min(seg_end, start) - seg_start))
         for row in kept:
-            prefill = waiting.prefills.get(sources.segments[row])
-            self.counters[f"kv_blend_reused_tokens_{_source(prefill, sources.offsets[row])}"] += 1
+            source = _source(waiting.prefills.get(sources.segments[row]), sources.offsets[row])
+            self.counters[f"kv_blend_reused_tokens_{source}"] += 1
+            loaded += source != "computed"
         self.counters["kv_blend_reused_tokens"] += len(kept)
-        return len(kept)
+        return len(kept), loaded
 
     def _finish_failed(self, request: Request, message: str) -> None:
         request.error = message
