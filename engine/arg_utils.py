@@ -13,7 +13,6 @@ import argparse
 import os
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -25,6 +24,7 @@ from engine.config import (
     Options,
     SchedulerOptions,
     StoreOptions,
+    expand_path,
     flag_name,
     format_size,
     option_meta,
@@ -102,19 +102,74 @@ def _is_tuple(annotation: Any) -> bool:
     return typing.get_origin(base) is tuple
 
 
+# A config file is a few dozen lines; a larger one is a mistake (or an attack).
+MAX_CONFIG_BYTES = 1024**2
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without what a config file never needs and an attacker uses:
+    aliases (a few hundred bytes of nested `*refs` expand to gigabytes: the alias bomb)
+    and duplicate keys (PyYAML keeps the last one silently)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.MarkedYAMLError(
+                problem="aliases (*name) are not allowed in a config file",
+                problem_mark=self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # the SafeLoader refuses it below
+            if key in seen:
+                raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: what is wrong and where (PyYAML's own text spans lines)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return " ".join(str(exc).split())
+    problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
+    mark = exc.problem_mark or exc.context_mark
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+
+
 def read_config_file(path: str) -> dict[str, Any]:
-    """The options of a YAML config file, keyed by option name (dashes become underscores)."""
+    """The options of a YAML config file, keyed by option name (dashes become underscores).
+    Every problem (unreadable, too large, not YAML, aliases, a key given twice in either
+    spelling) is a one-line ConfigError naming the file."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        with open(expand_path(path), "rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path} is larger than {MAX_CONFIG_BYTES // 1024**2} MiB: not a config file")
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_ConfigLoader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path} is not UTF-8 text: {exc.reason}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+        raise ConfigError("config", f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError("config", f"{path} is nested too deeply to be a config file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of option: value, got {type(data).__name__}")
-    return {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
+    options: dict[str, Any] = {}
+    spelled: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name in options:
+            raise ConfigError("config", f"{path}: {name!r} is set twice, as {spelled[name]!r} and as {key!r}")
+        options[name], spelled[name] = value, key
+    return options
 
 
 def load_options(args: argparse.Namespace, *sections: type[Options]) -> list[Options]:

