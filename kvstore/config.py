@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # StoreConfig is checked before torch is imported (the CLI's 
     from tiers.pins import PinTable
 
 TIER_ORDER = ("cpu", "disk", "redis")
+# Tiers shared by every instance configured with them: their outage hits all instances at once.
+REMOTE_TIERS = ("redis",)
 COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
 # The option a tier's own configuration error is about (sizes are checked before).
 TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}

@@ -26,6 +26,7 @@ from engine.server.protocol import ChatCompletionRequest, CompletionRequest, Mod
 from engine.server.request_body import json_body
 from engine.server.serving import create_chat_completion, create_completion
 from engine.server.state import ServerState, create_state, default_model_names
+from kvstore.config import REMOTE_TIERS
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -80,14 +81,26 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness for a load balancer: 200 only when the engine runs and every offload
-    tier answers; 503 (same body as /health) while degraded, so traffic goes to
-    instances that share the cache, and back by itself when the tier recovers."""
+    """Readiness for a load balancer: 200 when the engine runs and every tier of
+    `--ready-requires-tiers` answers (default: the local ones); 503 (same body as /health,
+    plus `ready_requires_tiers`) while one of those does not, and back by itself when it
+    recovers. A shared remote tier is not required by default: when it goes down every
+    instance still serves, recomputing, and a 503 from all of them would be a full outage."""
     state = _state(request)
     if not state.engine.is_healthy:
         raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
     body = _health_body(state)
-    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+    required = _ready_requires(state)
+    body["ready_requires_tiers"] = list(required)
+    down = set(required) & set(body["unhealthy_tiers"])
+    return JSONResponse(body, status_code=503 if down else 200)
+
+
+def _ready_requires(state: ServerState) -> tuple[str, ...]:
+    """The configured tiers whose outage fails /ready: those `--ready-requires-tiers`
+    names, by default every tier but the remote (shared) one."""
+    named = state.settings.ready_requires_tiers
+    return tuple(t for t in state.kv_offload if (t not in REMOTE_TIERS if named is None else t in named))
 
 
 def _health_body(state: ServerState) -> dict:

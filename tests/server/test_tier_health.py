@@ -1,5 +1,6 @@
 """A shared tier that does not answer: a start-up warning naming its URL, /health says
-"degraded" (still 200: the process is alive), /ready answers 503 until Redis is back, and
+"degraded" (still 200: the process is alive), /ready answers 503 until Redis is back when
+--ready-requires-tiers names it (tests/server/test_ready_tiers.py: the default), and
 the tier recovers by itself. Store option errors name the flag to blame."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def test_redis_down_at_start_is_degraded_then_recovers(model_path, redis_binary,
     process = ServerProcess(
         "--model", model_path, "--num-kv-blocks", "32", "--kv-offload", "cpu,redis",
         "--kv-redis-url", redis.url, "--kv-offload-cpu-size", "16MiB", "--kv-chunk-tokens", "32",
-        "--log-level", "warning", EAGER_OPS,
+        "--log-level", "warning", EAGER_OPS, "--ready-requires-tiers", "cpu,redis",
     )
     try:
         assert f"the redis tier at {redis.url} does not answer" in process.output
