@@ -9,9 +9,12 @@ output: outputs a slow consumer has not read yet are merged (they are cumulative
 their `new_token_ids` deltas are concatenated), so memory stays bounded per request.
 
 Ownership: the request -> stream map is read and written by the engine thread only; the
-event-loop side only counts admitted requests (for the queue bound) under a lock. A group
-of requests (the prompts of one API call) takes its slots at once with `reserve`, so it
-is admitted whole or not at all.
+event-loop side only counts admitted sequences (for the queue bound) under a lock: a
+request with n > 1 runs n sequences and takes n slots, since the bound is what the
+engine's batch and waiting queue hold (one slot per request let 8 prompts x n=128 past a
+bound of 320). A group of requests (the prompts of one API call) takes its slots at once
+with `reserve`, so it is admitted whole or not at all, and shares one `group` in the
+scheduler's fair admission.
 
 Lent cores. The engine's torch ops use every core through an OpenMP team. Other CPU work
 in the process (decoding a body of megabytes, tokenizing a long text) takes a core from
@@ -50,11 +53,11 @@ IDLE_STATS_REFRESH_S = 0.5
 
 
 class QueueFullError(RuntimeError):
-    """More requests are in flight than the engine admits; retry later."""
+    """More sequences are in flight than the engine admits; retry later."""
 
 
 class QueueCapacityError(ValueError):
-    """More requests at once than the queue bound itself: they could never be admitted."""
+    """More sequences at once than the queue bound itself: they could never be admitted."""
 
 
 class EngineClosedError(RuntimeError):
@@ -70,7 +73,7 @@ class SyncEngine(Protocol):
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        cache_salt: str | None = None, arrival_time: float | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None, group: str | None = None,
     ) -> Any: ...
 
     def abort_request(self, request_ids: list[str]) -> None: ...
@@ -123,18 +126,18 @@ class _Stream:
 
 
 class Reservation:
-    """Request slots taken at once (`AsyncEngine.reserve`). Each request started with it
-    uses one slot, which that request returns when it ends; `release_unused` returns the
-    slots no request took."""
+    """Sequence slots taken at once (`AsyncEngine.reserve`). Each request started with it
+    uses a slot per sequence, which that request returns when it ends; `release_unused`
+    returns the slots no request took."""
 
     def __init__(self, engine: AsyncEngine, count: int) -> None:
         self._engine = engine
         self.unused = count
 
-    def take(self) -> None:
-        if self.unused <= 0:
-            raise RuntimeError("every slot of this reservation is taken")
-        self.unused -= 1
+    def take(self, count: int) -> None:
+        if count > self.unused:
+            raise RuntimeError(f"{count} slots asked, {self.unused} left in this reservation")
+        self.unused -= count
 
     def release_unused(self) -> None:
         self._engine._release_slots(self.unused)
@@ -148,6 +151,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
+    group: str | None
     stream: _Stream
     ack: asyncio.Future
 
@@ -183,8 +187,9 @@ _Command = _Add | _Abort | _Call | _Stop | _Lend
 
 
 class AsyncEngine:
-    """Owns the engine thread. `max_pending_requests` bounds the requests admitted and not
-    yet finished (None: unbounded); beyond it `generate` raises QueueFullError.
+    """Owns the engine thread. `max_pending_requests` bounds the sequences (n per request)
+    admitted and not yet finished (None: unbounded); beyond it `generate` raises
+    QueueFullError.
 
     `engine` may be a function that builds it: it then runs on the engine thread, and the
     constructor returns once it has (raising what it raised). A server builds its engine
@@ -245,6 +250,7 @@ class AsyncEngine:
 
     @property
     def num_pending_requests(self) -> int:
+        """Sequences admitted and not finished (a request with n > 1 counts n)."""
         return self._pending
 
     @property
@@ -258,18 +264,20 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         reservation: Reservation | None = None,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the finished one. Errors of `add_request`
         are raised here unchanged; stopping the iteration (a client gone, a cancelled
-        task) aborts the request on the engine. The request takes its slot from
-        `reservation`, else it reserves one (QueueFullError when none is free)."""
-        (reservation or self.reserve(1)).take()
+        task) aborts the request on the engine. The request takes a slot per sequence
+        (`params.n`) from `reservation`, else it reserves them (QueueFullError when too
+        few are free); `group` is add_request's."""
+        (reservation or self.reserve(params.n)).take(params.n)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         done = False
         try:
             ack = loop.create_future()
-            self._submit(_Add(request_id, prompt, params, cache_salt, time.monotonic(), stream, ack))
+            self._submit(_Add(request_id, prompt, params, cache_salt, time.monotonic(), group, stream, ack))
             try:
                 await ack
             except BaseException:
@@ -284,7 +292,7 @@ class AsyncEngine:
                 done = output.finished
                 yield output
         finally:
-            self._release_slots(1)
+            self._release_slots(params.n)
             if not done:
                 self._submit(_Abort(request_id, stream))
 
@@ -347,19 +355,19 @@ class AsyncEngine:
         return False
 
     def reserve(self, count: int) -> Reservation:
-        """Take `count` request slots at once, or none: QueueFullError while fewer are
+        """Take `count` sequence slots at once, or none: QueueFullError while fewer are
         free, QueueCapacityError if `count` exceeds the bound itself."""
         self._check_usable()
         with self._pending_lock:
             if self._max_pending is not None:
                 if count > self._max_pending:
                     raise QueueCapacityError(
-                        f"{count} requests at once can never be admitted: the server holds at most "
+                        f"{count} sequences at once can never be admitted: the server holds at most "
                         f"{self._max_pending}"
                     )
                 if self._pending + count > self._max_pending:
                     raise QueueFullError(
-                        f"the server is busy: {self._pending} requests in flight (limit "
+                        f"the server is busy: {self._pending} sequences in flight (limit "
                         f"{self._max_pending}), {count} more asked"
                     )
             self._pending += count
@@ -452,7 +460,7 @@ class AsyncEngine:
         try:
             self._engine.add_request(
                 command.request_id, command.prompt, command.params,
-                cache_salt=command.cache_salt, arrival_time=command.arrival_time,
+                cache_salt=command.cache_salt, arrival_time=command.arrival_time, group=command.group,
             )
         except Exception as exc:  # add_request's errors belong to the caller, unchanged
             _post(command.stream.loop, _settle, command.ack, None, exc)

@@ -128,10 +128,13 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        group: str | None = None,
     ) -> Request:
         """Tokenize and queue a request (n > 1: its n sequences, see _Group); a segmented
         one (`Segments`, `SegmentedTokens`, or text with --kv-blend-separator) with n = 1 is
-        blended. Raises ValueError subclasses for bad input."""
+        blended. Requests of one `group` (the prompts of one API call; default: this
+        request alone) share one place in the scheduler's fair admission. Raises
+        ValueError subclasses for bad input."""
         if request_id in self._tracked or request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
@@ -160,7 +163,7 @@ class LLMEngine:
         # such a request runs as the plain prompt
         blended = params.n == 1 and self.blender.accepts(token_ids) and self.blender.add(requests[0], token_ids)
         if not blended:
-            self.scheduler.add_request(requests[0], requests[1:])
+            self.scheduler.add_request(requests[0], requests[1:], group or request_id)
         text = prompt if isinstance(prompt, str) else None
         for request in requests:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)

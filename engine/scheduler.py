@@ -2,7 +2,7 @@
 
 Each `schedule()` first takes in the asynchronous KV loads that finished, then walks the
 running requests in admission order (decodes and unfinished prefill chunks), then admits
-waiting ones first come first served. A request gets `min(remaining tokens, remaining
+waiting ones, fairly between groups (below). A request gets `min(remaining tokens, remaining
 budget)` tokens, so long prompts are chunked across steps and prefill chunks share a step
 with decodes. When the pool runs out of blocks the most recently admitted running
 request is preempted: in offload mode the connector first saves its computed chunks;
@@ -28,6 +28,17 @@ the logits of its first token), then decodes on its own blocks. A leader that fi
 before its prefill is done (abort, error) hands its followers to the waiting queue as
 ordinary requests.
 
+Fair admission. A group is the requests of one client call: the n sequences of a prompt,
+and the prompts of one API call (`add_request`'s `group`). Each free `max_num_seqs` slot
+goes to a waiting request of the group that holds the fewest slots (running or loading),
+first come first served among equals. First come first served alone let one call of 8
+prompts x n=128 hold every slot for all of its 1,024 sequences while another client's
+4-token request waited behind them (478 s); now a newcomer takes the next slot that
+frees, so it waits at most for the shortest remaining run of the running sequences. Fair
+admission rather than a fixed per-group share of the batch: a share would leave slots
+idle while one call runs alone, and, without preempting, would not free a slot any
+sooner when a newcomer arrives.
+
 Block hashes: `add_request` hashes the prompt's full blocks and `update_from_output`
 hashes each output block as it fills, both with the `BlockHasher` given here.
 """
@@ -35,9 +46,9 @@ hashes each output block as it fills, both with the `BlockHasher` given here.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 
 from connectors.base import NullConnector, SchedulerConnector
 from engine.block_pool import KVBlock
@@ -95,25 +106,31 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         self.num_lookups_pending = 0  # waiting requests the connector could not answer yet
         self.forks: dict[str, list[Request]] = {}  # leader id -> followers waiting for its prefill
+        self.groups: dict[str, str] = {}  # request id -> its group, for fair admission
         self.num_preemptions_total = 0
         self.num_recomputed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request: Request, followers: list[Request] | None = None) -> None:
+    def add_request(
+        self, request: Request, followers: list[Request] | None = None, group: str | None = None
+    ) -> None:
         """Queue a request, hashing its prompt blocks; `followers` (same prompt and salt)
-        are forked from it once its prefill is done. Raises RequestTooLongError when it
-        could never run, ValueError for an empty prompt or a duplicate id."""
-        group = [request, *(followers or [])]
-        for member in group:
+        are forked from it once its prefill is done. The request and its followers belong
+        to `group` (default: the request's id) for fair admission. Raises
+        RequestTooLongError when it could never run, ValueError for an empty prompt or a
+        duplicate id."""
+        members = [request, *(followers or [])]
+        for member in members:
             self.validate(member)
-        if len({m.request_id for m in group}) < len(group):
+        if len({m.request_id for m in members}) < len(members):
             raise ValueError("the requests of one group need distinct ids")
         self.block_hasher.extend(request.block_hashes, request.prompt_token_ids, request.cache_salt)
-        for member in group:
+        for member in members:
             member.block_hashes = list(request.block_hashes)
             member.status = RequestStatus.WAITING
             self.requests[member.request_id] = member
+            self.groups[member.request_id] = group or request.request_id
         self.waiting.append(request)
         if followers:
             self.forks[request.request_id] = list(followers)
@@ -282,13 +299,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order; one the connector cannot answer yet is
-        skipped (it keeps its place), one that does not fit ends the admissions."""
-        index = 0
-        while (
-            index < len(self.waiting) and budget > 0
-            and len(self.running) + len(self.loading) < self.config.max_num_seqs
-        ):
+        """Admit waiting requests, fairly between groups (see the module docstring); one
+        the connector cannot answer yet is skipped (it keeps its place), one that does not
+        fit ends the admissions."""
+        held = Counter(self._group(r) for r in chain(self.running, self.loading.values()))
+        skipped: set[str] = set()
+        while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+            index = self._next_waiting(held, skipped)
+            if index is None:
+                break
             request = self.waiting[index]
             if self.kv.get_blocks(request.request_id):  # a follower holding its leader's blocks
                 num_new = self._admit_fork(request, budget)
@@ -297,20 +316,39 @@ class Scheduler:
                 num_external, load_async = self._num_external_tokens(request, num_local)
                 if num_external is None:
                     self.num_lookups_pending += 1
-                    index += 1
+                    skipped.add(request.request_id)
                     continue
                 if load_async:
                     if not self._start_remote_load(request, hits, num_local, num_external):
                         break
                     del self.waiting[index]
+                    held[self._group(request)] += 1
                     continue
                 num_new = self._admit(request, hits, num_local, num_external, budget)
             if num_new is None:
                 break
             del self.waiting[index]
+            held[self._group(request)] += 1
             self.running.append(request)
             self._add_to_output(out, request, num_new)
             budget -= num_new
+
+    def _next_waiting(self, held: Counter[str], skipped: set[str]) -> int | None:
+        """The position in `waiting` of the next request to admit: of the group holding
+        the fewest slots, the first in line; None when every one is skipped."""
+        best, best_held = None, 0
+        for index, request in enumerate(self.waiting):
+            if request.request_id in skipped:
+                continue
+            count = held[self._group(request)]
+            if best is None or count < best_held:
+                best, best_held = index, count
+                if count == 0:  # nobody comes before a group that holds nothing
+                    break
+        return best
+
+    def _group(self, request: Request) -> str:
+        return self.groups.get(request.request_id, request.request_id)
 
     def _admit(
         self, request: Request, hits: list[KVBlock], num_local: int, num_external: int, budget: int
@@ -436,5 +474,6 @@ class Scheduler:
         request.status = status
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
+        self.groups.pop(request.request_id, None)
         self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
         self.kv.free(request)

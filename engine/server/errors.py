@@ -62,6 +62,14 @@ def too_many_prompts(count: int, limit: int) -> APIError:
     )
 
 
+def too_many_sequences(count: int, num_prompts: int, n: int, limit: int) -> APIError:
+    return APIError(
+        400, f"This request runs {count} sequences ({num_prompts} prompt(s) x n={n}); the server holds at most "
+        f"{limit} at once (--max-num-seqs + --max-waiting-requests).",
+        param="n", code="too_many_sequences",
+    )
+
+
 def model_not_found(name: str | None) -> APIError:
     return APIError(
         404, f"The model {name!r} does not exist.", param="model", code="model_not_found"

@@ -48,6 +48,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(body.model)
+    state.check_sequence_count(body.num_prompts, body.n)
     _check_logprobs(state, body.logprobs, "logprobs")
     prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
     token_lists = await _translated(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
@@ -65,6 +66,7 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, raw: Request
 ) -> Response:
     model = state.check_model(body.model)
+    state.check_sequence_count(1, body.n)
     _check_logprobs(state, body.top_logprobs, "top_logprobs")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     token_ids = await _translated(

@@ -13,7 +13,7 @@ from engine.async_engine import AsyncEngine
 from engine.builtin_models import DEFAULT_MODEL
 from engine.config import EngineConfig, ServerConfig
 from engine.server.body_decoder import BodyDecoder, keep_freed_memory, reserve_for
-from engine.server.errors import model_not_found, too_many_prompts
+from engine.server.errors import model_not_found, too_many_prompts, too_many_sequences
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import PromptTokenizer
 
@@ -33,6 +33,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     max_prompts_per_request: int  # --max-prompts-per-request, at most what the queue holds
+    max_sequences: int  # what the queue holds: --max-num-seqs + --max-waiting-requests sequences
     kv_offload: tuple[str, ...]
     prompts: PromptTokenizer
     body_decoder: BodyDecoder
@@ -56,6 +57,12 @@ class ServerState:
         """Refuse a completion with more prompts than one request may hold."""
         if count > self.max_prompts_per_request:
             raise too_many_prompts(count, self.max_prompts_per_request)
+
+    def check_sequence_count(self, num_prompts: int, n: int) -> None:
+        """Refuse, before any prompt is tokenized, a request whose sequences (prompts x n)
+        the queue could never hold at once: it would never be admitted."""
+        if num_prompts * n > self.max_sequences:
+            raise too_many_sequences(num_prompts * n, num_prompts, n, self.max_sequences)
 
 
 def default_model_names(model_flag: str | None) -> tuple[str, ...]:
@@ -94,6 +101,7 @@ def create_state(
         max_model_len=engine.config.max_model_len,
         vocab_size=engine.spec.vocab_size,
         max_prompts_per_request=settings.prompt_limit(engine.config.max_num_seqs),
+        max_sequences=settings.queue_size(engine.config.max_num_seqs),
         kv_offload=engine.config.kv_offload,
         prompts=PromptTokenizer(tokenizer, engine.config.max_model_len, engine.config.kv_blend_separator,
                                 async_engine.lend_core),

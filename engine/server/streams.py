@@ -2,7 +2,9 @@
 
 A completion with several prompts runs one engine request per prompt. `RequestGroup`
 starts them together (so admission errors surface before any response byte is sent),
-merges their outputs, and aborts whatever is still running when it is closed.
+merges their outputs, and aborts whatever is still running when it is closed. They take
+a queue slot per sequence (prompts x n) and share one group in the scheduler's fair
+admission (engine/scheduler.py), so one call cannot hold the batch while others wait.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ class RequestGroup:
 
     async def start(self) -> None:
         """Admit every request and wait for each one's first output. The queue slots of
-        all of them are taken first, at once: a full queue refuses the group before any
-        request runs. Raises the first admission error (queue full, prompt too long, ...)
-        after aborting the others."""
-        reservation = self._engine.reserve(len(self._jobs))
+        all of their sequences are taken first, at once: a full queue refuses the group
+        before any request runs. Raises the first admission error (queue full, prompt too
+        long, ...) after aborting the others."""
+        reservation = self._engine.reserve(sum(job.params.n for job in self._jobs))
+        group = self._jobs[0].request_id  # the group is named after its first request
         self._generators = [
-            self._engine.generate(job.token_ids, job.params, job.request_id, self._cache_salt, reservation)
+            self._engine.generate(job.token_ids, job.params, job.request_id, self._cache_salt, reservation, group)
             for job in self._jobs
         ]
         try:

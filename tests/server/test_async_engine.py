@@ -50,7 +50,7 @@ class ScriptedEngine:
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
+    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None, group=None):
         self._touch()
         if prompt == "bad":
             raise ValueError("bad prompt")
