@@ -2,9 +2,10 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from engine.logprobs import Logprob
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "Segments", "__version__"]
+__all__ = ["LLM", "LLMEngine", "Logprob", "SamplingParams", "Segments", "__version__"]
 
 try:
     __version__ = version("kvtier")

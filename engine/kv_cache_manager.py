@@ -47,8 +47,10 @@ class KVCacheManager:
 
         The hit is capped at `num_tokens - 1` rounded down to whole blocks: the last
         token is always recomputed, because its forward pass yields the logits to sample
-        from. This is a pure lookup; the query is counted when the admission succeeds."""
-        if not self.enable_caching:
+        from. This is a pure lookup; the query is counted when the admission succeeds.
+        A request that must compute its prompt itself (`skip_reading_prefix_cache`:
+        prompt logprobs) hits nothing."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -43,6 +44,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (a transformers fast tokenizer), as vLLM's `LLM.get_tokenizer`."""
         return self.engine.tokenizer
 
     def generate(

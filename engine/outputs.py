@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import PromptLogprobs, SampleLogprobs, TopLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -11,9 +13,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[float] | None = None  # of each sampled token
-    # per token, the `SamplingParams.logprobs` most likely (token id, logprob), most likely first
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # vLLM's: per token {token id: Logprob(logprob, rank, decoded_token)}, the sampled
+    # token and the `SamplingParams.logprobs` most likely
+    logprobs: SampleLogprobs | None = None
+    # kvtier's: per token those most likely as (token id, logprob), most likely first
+    top_logprobs: list[TopLogprobs] | None = None
     stop_reason: str | int | None = None
 
 
@@ -50,3 +54,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
+    # vLLM's, with `SamplingParams.prompt_logprobs`, once the prefill is done: None for the
+    # first prompt token, then per token {token id: Logprob}, the token and the top k
+    prompt_logprobs: PromptLogprobs | None = None

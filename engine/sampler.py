@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.logprobs import TokenLogprob, TopLogprobs
 from engine.sampling_params import SamplingParams
 
-TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -49,11 +49,11 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+    ) -> tuple[list[int], list[TokenLogprob] | None, list[TopLogprobs] | None]:
         """One token per row of `logits` [n, V]. The logprobs (of the chosen tokens under
-        the raw logits, as vLLM reports them) come for every row when any request asks,
-        and with them each row's `params.logprobs` most likely tokens (id, logprob), most
-        likely first."""
+        the raw logits, as vLLM reports them, with their ranks) come for every row when
+        any request asks, and with them each row's `params.logprobs` most likely tokens
+        (id, logprob), most likely first (`token_logprobs`)."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
             raise ValueError("logits must be [n, vocab] with one params and generator per row")
         logits = logits.float()
@@ -67,17 +67,29 @@ class Sampler:
                 logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
             )
         _raise_for(bad)  # the device sync here overlaps the sampling kernels queued above
-        logprobs = top = None
-        wanted = [p.logprobs or 0 for p in params]
-        if any(p.logprobs is not None for p in params):
-            all_logprobs = torch.log_softmax(logits, dim=-1)
-            logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            top = [[] for _ in params]
-            if max(wanted):
-                values, ids = all_logprobs.topk(min(max(wanted), logits.shape[1]), dim=-1)
-                values, ids = values.tolist(), ids.tolist()
-                top = [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, wanted, strict=True)]
+        if not any(p.logprobs is not None for p in params):
+            return tokens.tolist(), None, None
+        logprobs, top = token_logprobs(logits, tokens, [p.logprobs or 0 for p in params])
         return tokens.tolist(), logprobs, top
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> tuple[list[TokenLogprob], list[TopLogprobs]]:
+    """Per row of `logits` [n, V]: the logprob and rank of `token_ids[row]` under the raw
+    logits, and the row's `num_top[row]` most likely tokens (id, logprob), most likely
+    first. One log_softmax, one comparison and one topk for all rows: the sampled tokens
+    of a step and the prompt tokens of a chunk (engine/model_runner.py) alike."""
+    all_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = all_logprobs.gather(1, token_ids[:, None])
+    ranks = (all_logprobs >= chosen).sum(dim=-1).tolist()
+    logprobs = [TokenLogprob(lp, rank) for lp, rank in zip(chosen.squeeze(1).tolist(), ranks, strict=True)]
+    top: list[TopLogprobs] = [[] for _ in num_top]
+    if max(num_top, default=0):
+        values, ids = all_logprobs.topk(min(max(num_top), logits.shape[1]), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        top = [list(zip(i[:k], v[:k], strict=True)) for i, v, k in zip(ids, values, num_top, strict=True)]
+    return logprobs, top
 
 
 def _raise_for(bad: torch.Tensor) -> None:

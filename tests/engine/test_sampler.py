@@ -13,6 +13,7 @@ from engine.sampler import (
     apply_min_p,
     apply_top_k_top_p,
     make_generator,
+    token_logprobs,
 )
 from engine.sampling_params import SamplingParams
 
@@ -127,9 +128,23 @@ def test_logprobs_of_chosen_tokens_use_the_raw_logits():
         SamplingParams(temperature=0.0),
     ]
     tokens, logprobs, _ = Sampler().sample(logits, params, [None] * 4)
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(4), torch.tensor(tokens)]
-    assert logprobs == pytest.approx(expected.tolist())
-    assert math.isclose(logprobs[0], torch.log_softmax(logits[0], dim=-1).max().item(), rel_tol=1e-6)
+    reference = torch.log_softmax(logits, dim=-1)
+    expected = reference[torch.arange(4), torch.tensor(tokens)]
+    assert [lp.logprob for lp in logprobs] == pytest.approx(expected.tolist())
+    assert math.isclose(logprobs[0].logprob, reference[0].max().item(), rel_tol=1e-6)
+    # the rank in the vocabulary, as vLLM counts it: the tokens at least as likely
+    assert [lp.rank for lp in logprobs] == (reference >= expected[:, None]).sum(dim=-1).tolist()
+    assert logprobs[0].rank == logprobs[3].rank == 1  # greedy rows
+
+
+def test_token_logprobs_rank_a_token_below_the_top_k():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, 2.0]])
+    [entry], [top] = token_logprobs(logits, torch.tensor([3]), [2])
+    reference = torch.log_softmax(logits[0], dim=-1)
+    assert entry == (pytest.approx(reference[3].item()), 5)
+    assert top[0][0] == 0 and top[1][0] in {2, 4}  # 2 and 4 tie for second
+    [tied], _ = token_logprobs(logits, torch.tensor([2]), [0])
+    assert tied.rank == 3  # tied with token 4: both count
 
 
 def test_rejects_mismatched_inputs():
@@ -168,5 +183,5 @@ def test_top_logprobs_are_each_rows_k_most_likely_tokens():
     values, ids = reference[0].topk(4)
     assert [t for t, _ in top[0]] == ids.tolist()
     assert [lp for _, lp in top[0]] == pytest.approx(values.tolist())
-    assert top[0][0] == (tokens[0], pytest.approx(logprobs[0]))  # greedy: the top token
+    assert top[0][0] == (tokens[0], pytest.approx(logprobs[0].logprob))  # greedy: the top token
     assert top[1] == [] and top[2] == []
