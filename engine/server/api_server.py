@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics
 
 from engine import __version__
 from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url
-from engine.server import admin
+from engine.server import admin, tokenize_api
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError, install_error_handlers
@@ -133,6 +133,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kvtier = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(tokenize_api.router)  # /tokenize, /detokenize
     if state.settings.enable_kv_admin:
         app.include_router(admin.router)
     settings = state.settings

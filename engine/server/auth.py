@@ -1,7 +1,8 @@
 """`--api-key`: every /v1/ request needs `Authorization: Bearer <key>`, as in vLLM and
-OpenAI; /health, /ready, /metrics and /version stay open (load balancers and scrapers
-carry no key), and /kv/ has its own admin token. Refused requests get OpenAI's 401 body
-before their body is read."""
+OpenAI, and so do /tokenize and /detokenize (vLLM serves them outside /v1, unguarded;
+here they cost tokenizer work as a prompt does); /health, /ready, /metrics and /version
+stay open (load balancers and scrapers carry no key), and /kv/ has its own admin token.
+Refused requests get OpenAI's 401 body before their body is read."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
@@ -44,7 +46,8 @@ class ApiKeyMiddleware:
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS):
             error = api_key_error(Headers(scope=scope).get("authorization", ""), self.api_key)
             if error is not None:
                 await error.to_response()(scope, receive, send)

@@ -109,6 +109,29 @@ class PromptTokenizer:
         chars = sum(len(m["content"]) for m in messages)
         return await self._run(chars, self._encode_chat, messages, separator or self.separator, param)
 
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """`text` tokenized as it is, with the checks of a prompt (POST /tokenize)."""
+        return await self._run(len(text), self._encode_text, text, add_special_tokens, param)
+
+    async def tokenize_chat(
+        self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool, param: str = "messages"
+    ) -> list[int]:
+        """`messages` through the chat template, tokenized, with the checks of a prompt
+        (POST /tokenize)."""
+        chars = sum(len(m["content"]) for m in messages)
+        return await self._run(chars, self._render_and_encode, messages, add_generation_prompt,
+                               add_special_tokens, param)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included (POST /detokenize, and a token
+        prompt's `echo`), in a worker thread."""
+        return await self._run(len(token_ids), self.tokenizer.decode, token_ids)
+
+    def _render_and_encode(
+        self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool, param: str
+    ) -> list[int]:
+        return self._encode_text(self._render_chat(messages, param, add_generation_prompt), add_special_tokens, param)
+
     async def _run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a worker thread, on a lent core for `chars` of LEND_CORE_CHARS or more."""
         if chars < LEND_CORE_CHARS:
@@ -126,13 +149,14 @@ class PromptTokenizer:
                 return self._encode_segments(segments, False, param)
         return self._encode_text(text, False, param)
 
-    def _render_chat(self, messages: list[dict], param: str) -> str:
+    def _render_chat(self, messages: list[dict], param: str, add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages`; a template that fails on them is a 400
         naming the cause: its own `raise_exception`, an error in it (TemplateError), or a
         limit of Jinja's sandbox that stopped it (`range()` beyond MAX_RANGE items is an
         OverflowError), since the messages are what made it fail."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except (TemplateError, OverflowError) as exc:
             raise APIError(400, f"the chat template failed on these {param}: {type(exc).__name__}: {exc}",
                            param=param, code="invalid_value") from None
