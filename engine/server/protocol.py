@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from engine.blend.segments import MAX_SEGMENTS
+from engine.logprobs import PromptLogprobs
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -175,6 +176,8 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra: each prompt token's logprob and the k most likely at its position
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the engine)
 
     _no_penalties = field_validator("frequency_penalty", "presence_penalty")(only_neutral(0.0))
     _no_logit_bias = field_validator("logit_bias")(only_neutral(None, {}))
@@ -186,6 +189,14 @@ class _SamplingRequest(_Strict):
     ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("is only allowed when stream is true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """As vLLM: prompt logprobs come in the response body, which a stream has not."""
+        if value is not None and info.data.get("stream"):
+            raise ValueError("is not available when stream is true")
         return value
 
     @property
@@ -203,7 +214,6 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: Text | None = None
 
-    _no_echo = field_validator("echo")(only_neutral(False))
     _no_best_of = field_validator("best_of")(only_neutral(None, 1))
     _no_suffix = field_validator("suffix")(only_neutral(None, ""))
 
@@ -265,8 +275,9 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    # None for an echoed first prompt token (nothing predicts it), as OpenAI
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -275,6 +286,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with `prompt_logprobs`
 
 
 class CompletionResponse(BaseModel):
@@ -316,6 +328,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with `prompt_logprobs`
 
 
 class DeltaMessage(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Protocol
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from engine.logprobs import PromptLogprobs, TopLogprobs
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.protocol import (
@@ -81,12 +83,15 @@ def generation_error(output: RequestOutput) -> APIError | None:
 
 @dataclass
 class Delta:
-    """What a stream chunk adds: new text, new token ids and their logprobs."""
+    """What a stream chunk adds: new text, new token ids and their logprobs; a choice's
+    first delta also carries its prompt (for `echo`) when the tracker was given it."""
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
+    top_logprobs: list[TopLogprobs] | None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaTracker:
@@ -97,6 +102,7 @@ class DeltaTracker:
         self._chars = 0
         self._tokens = 0
         self._finish_sent = False
+        self._prompt_sent = False
 
     def finish(self, completion: CompletionOutput) -> str | None:
         """The completion's finish reason the first time it is asked once it has one."""
@@ -105,14 +111,23 @@ class DeltaTracker:
         self._finish_sent = True
         return completion.finish_reason
 
-    def advance(self, completion: CompletionOutput) -> Delta:
+    def advance(self, completion: CompletionOutput, output: RequestOutput | None = None) -> Delta:
+        """What `completion` adds since the last call; the first call that adds tokens
+        (or finishes) also hands on the prompt of `output`, the completion's request."""
         text = completion.text[self._chars :]
         token_ids = completion.token_ids[self._tokens :]
-        logprobs = completion.logprobs[self._tokens :] if completion.logprobs is not None else None
+        logprobs = None
+        if completion.logprobs is not None:
+            entries = completion.logprobs[self._tokens :]
+            logprobs = [step[token_id].logprob for step, token_id in zip(entries, token_ids, strict=True)]
         top = completion.top_logprobs[self._tokens :] if completion.top_logprobs is not None else None
         self._chars = max(self._chars, len(completion.text))
         self._tokens = len(completion.token_ids)
-        return Delta(text, token_ids, logprobs, top)
+        delta = Delta(text, token_ids, logprobs, top)
+        if output is not None and not self._prompt_sent and (token_ids or completion.finish_reason):
+            self._prompt_sent = True
+            delta.prompt_token_ids, delta.prompt_logprobs = output.prompt_token_ids, output.prompt_logprobs
+        return delta
 
 
 def completion_logprobs(
@@ -136,6 +151,35 @@ def completion_logprobs(
         ]
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=delta.logprobs, top_logprobs=top_logprobs, text_offset=offsets
+    )
+
+
+def echo_logprobs(
+    token_ids: list[int], prompt_logprobs: PromptLogprobs, token_text: TokenText, num_top: int
+) -> CompletionLogprobs:
+    """Legacy completions logprobs of an echoed prompt, as OpenAI and vLLM give them: the
+    first token's logprob and top logprobs None, then each token's, with `num_top` >= 1 the
+    {text: logprob} map of its position's `num_top` most likely tokens and itself."""
+    tokens = [token_text(t) for t in token_ids]
+    token_logprobs: list[float | None] = [None]
+    top_logprobs: list[dict[str, float] | None] = [None]
+    for token_id, token, entries in zip(token_ids[1:], tokens[1:], prompt_logprobs[1:], strict=True):
+        token_logprobs.append(entries[token_id].logprob)
+        ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None and e.rank <= num_top)
+        top_logprobs.append({token_text(t): lp for _, t, lp in ranked} | {token: entries[token_id].logprob})
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
+                              top_logprobs=top_logprobs if num_top > 0 else None, text_offset=offsets)
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs | None) -> CompletionLogprobs:
+    """`first`'s tokens then `second`'s (whose text offsets already follow `first`'s)."""
+    if second is None:
+        return first
+    top = None if first.top_logprobs is None else first.top_logprobs + (second.top_logprobs or [])
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=top, text_offset=first.text_offset + second.text_offset,
     )
 
 
@@ -172,8 +216,12 @@ class OutputFormat(Protocol):
 
 
 class CompletionFormat:
+    """`echo`: the text of each prompt, which each of its choices starts with (with
+    `logprobs`, its tokens' logprobs come first too, from the outputs' prompt logprobs)."""
+
     def __init__(
-        self, request_id: str, model: str, token_text: TokenText, logprobs: int | None, n: int = 1
+        self, request_id: str, model: str, token_text: TokenText, logprobs: int | None, n: int = 1,
+        echo: list[str] | None = None,
     ) -> None:
         self._id = request_id
         self._n = n
@@ -181,6 +229,7 @@ class CompletionFormat:
         self._created = int(time.time())
         self._token_text = token_text
         self._logprobs = logprobs
+        self._echo = echo
         self._text_offsets: dict[int, int] = defaultdict(int)
 
     def head_chunks(self) -> list[BaseModel]:
@@ -188,7 +237,8 @@ class CompletionFormat:
 
     def chunk(self, index: int, delta: Delta, finish: str | None) -> CompletionChunk:
         choice = CompletionChoice(
-            index=index, text=delta.text, logprobs=self._logprobs_of(index, delta), finish_reason=finish
+            index=index, text=self._text_of(index, delta), logprobs=self._logprobs_of(index, delta),
+            finish_reason=finish,
         )
         return CompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice])
 
@@ -198,21 +248,32 @@ class CompletionFormat:
     def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         answers = []
         for index, completion in sorted(choices(outputs, self._n), key=lambda c: c[0]):
-            delta = DeltaTracker().advance(completion)
+            output = outputs[index // self._n]
+            delta = DeltaTracker().advance(completion, output)
             answers.append(CompletionChoice(
-                index=index, text=delta.text, logprobs=self._logprobs_of(index, delta),
-                finish_reason=completion.finish_reason,
+                index=index, text=self._text_of(index, delta), logprobs=self._logprobs_of(index, delta),
+                finish_reason=completion.finish_reason, prompt_logprobs=output.prompt_logprobs,
             ))
         return CompletionResponse(
             id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs)
         )
 
+    def _echoes(self, delta: Delta) -> bool:
+        return self._echo is not None and delta.prompt_token_ids is not None
+
+    def _text_of(self, index: int, delta: Delta) -> str:
+        return self._echo[index // self._n] + delta.text if self._echoes(delta) else delta.text
+
     def _logprobs_of(self, index: int, delta: Delta) -> CompletionLogprobs | None:
         if self._logprobs is None:
             return None
+        echoed = None
+        if self._echoes(delta):
+            echoed = echo_logprobs(delta.prompt_token_ids, delta.prompt_logprobs, self._token_text, self._logprobs)
+            self._text_offsets[index] += sum(len(t) for t in echoed.tokens)
         result = completion_logprobs(delta, self._token_text, self._logprobs > 0, self._text_offsets[index])
         self._text_offsets[index] += sum(len(t) for t in result.tokens) if result else 0
-        return result
+        return result if echoed is None else _joined(echoed, result)
 
 
 class ChatFormat:
@@ -248,7 +309,8 @@ class ChatFormat:
                 finish_reason=completion.finish_reason,
             ))
         return ChatCompletionResponse(
-            id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs)
+            id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs),
+            prompt_logprobs=outputs[0].prompt_logprobs,
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:

@@ -58,7 +58,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
-    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n)
+    echo = await _echo_texts(state, prompts, token_lists) if body.echo else None
+    fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n, echo)
     return await _run(state, raw, body, jobs, fmt, param)
 
 
@@ -149,7 +150,7 @@ async def _events(
                 continue
             for choice, completion in choices([output], n):
                 choice += index * n
-                delta = trackers[choice].advance(completion)
+                delta = trackers[choice].advance(completion, output)
                 finish = trackers[choice].finish(completion)
                 if delta.text or delta.token_ids or finish:
                     yield sse(fmt.chunk(choice, delta, finish))
@@ -178,6 +179,24 @@ def _max_tokens(requested: int | None, default: int | None, prompt_len: int, max
     return requested or min(default or room, room)
 
 
+def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The prompt logprobs the engine computes: those asked for, and with `echo` and
+    `logprobs` those of the echoed prompt tokens (vLLM's rule)."""
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        return max(body.prompt_logprobs or 0, body.logprobs)
+    return body.prompt_logprobs
+
+
+async def _echo_texts(
+    state: ServerState, prompts: list[str | list[int] | Segments], token_lists: list[list[int]]
+) -> list[str]:
+    """Each prompt's text for `echo`: a text prompt as sent, else its tokens decoded."""
+    return [
+        prompt if isinstance(prompt, str) else await state.prompts.decode(list(token_ids))
+        for prompt, token_ids in zip(prompts, token_lists, strict=True)
+    ]
+
+
 def _sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
@@ -193,6 +212,7 @@ def _sampling_params(
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=_prompt_logprobs(body),
             n=body.n,
         )
     except SamplingParamsError as exc:

@@ -47,7 +47,6 @@ CASES = [
     (CHAT, {**OK_CHAT, "n": 129}, 400, "n", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "best_of": 2}, 400, "best_of", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "frequency_penalty": 0.5}, 400, "frequency_penalty", "invalid_value"),
-    (COMPLETIONS, {**OK_PROMPT, "echo": True}, 400, "echo", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "prompt": [1, 10**6]}, 400, "prompt", "invalid_value"),
     (COMPLETIONS, {**OK_PROMPT, "prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, "prompt", "context_length_exceeded"),

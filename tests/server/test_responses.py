@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.server.responses import ChatFormat, CompletionFormat, DeltaTracker, json_response, sse
 
@@ -13,8 +14,10 @@ LOGPROBS = [float("nan"), float("-inf"), -0.25, float("inf")]
 
 
 def output() -> RequestOutput:
-    completion = CompletionOutput(index=0, text="abcd", token_ids=[10, 11, 12, 13], finish_reason="length",
-                                  logprobs=list(LOGPROBS), top_logprobs=[[] for _ in LOGPROBS])
+    token_ids = [10, 11, 12, 13]
+    completion = CompletionOutput(index=0, text="abcd", token_ids=token_ids, finish_reason="length",
+                                  logprobs=[{t: Logprob(lp, 1, token_text(t))} for t, lp in zip(token_ids, LOGPROBS, strict=True)],
+                                  top_logprobs=[[] for _ in LOGPROBS])
     return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2], outputs=[completion],
                          finished=True, metrics=RequestMetrics(arrival_time=0.0))
 
