@@ -1,4 +1,10 @@
-"""A server faults in its cpu tier's memory at start, before it takes traffic."""
+"""A server faults in its cpu tier's memory at start, before it takes traffic.
+
+Robust to a busy host, still able to fail: a page the kernel swapped out under memory
+pressure since start was faulted in all the same (a never-touched page is neither
+resident nor swapped), so resident + swapped must cover the slab; and a host with less
+memory available at start than the slab is one where the server rightly declines (it
+says so), which skips rather than fails."""
 
 from __future__ import annotations
 
@@ -15,14 +21,16 @@ CPU_TIER_MIB = 600
 
 
 def mappings(pid: int) -> list[tuple[int, int]]:
-    """(size KiB, resident KiB) of each mapping of the process."""
-    found, size = [], 0
+    """(size KiB, faulted-in KiB: resident or swapped out) of each mapping of the process."""
+    found, size, rss = [], 0, 0
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         name, _, rest = line.partition(":")
         if name == "Size":
             size = int(rest.split()[0])
         elif name == "Rss":
-            found.append((size, int(rest.split()[0])))
+            rss = int(rest.split()[0])
+        elif name == "Swap":  # after Rss in every mapping's block
+            found.append((size, rss + int(rest.split()[0])))
     return found
 
 
@@ -31,10 +39,12 @@ def test_a_server_starts_with_its_cpu_tier_resident(model_path):
     server = ServerProcess(*server_flags(
         model_path, "--kv-offload", "cpu", "--kv-offload-cpu-size", f"{CPU_TIER_MIB}MiB", "--kv-chunk-tokens", "32"))
     try:
-        slab = [(size, rss) for size, rss in mappings(server.pid)
+        slab = [(size, touched) for size, touched in mappings(server.pid)
                 if (CPU_TIER_MIB - 1) * 1024 <= size <= CPU_TIER_MIB * 1024 + 64]
     finally:
         server.stop()
+    if "of memory available now; its pages are faulted in as it fills" in server.output:
+        pytest.skip(f"the host had less than {CPU_TIER_MIB} MiB of memory available when the server started")
     assert len(slab) == 1, slab
-    size, rss = slab[0]
-    assert rss >= size - 8, f"{rss} of {size} KiB resident"
+    size, touched = slab[0]
+    assert touched >= size - 8, f"{touched} of {size} KiB resident or swapped out"
