@@ -145,7 +145,8 @@ class KVStoreConnector:
         )
 
     def tier_stats(self) -> dict[str, dict]:
-        return {name: tier_view(tier) for name, tier in self.store.stats().tiers.items()}
+        loaded = self.worker.counters.loaded_tokens_by_tier
+        return {name: tier_view(tier, loaded.get(name, 0)) for name, tier in self.store.stats().tiers.items()}
 
     def tier_health(self) -> dict[str, str]:
         """Each tier's health ("healthy" or "unhealthy"), read now (any thread)."""

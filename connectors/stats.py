@@ -34,12 +34,18 @@ def connector_stats(
     return stats
 
 
-def tier_view(snapshot: Any) -> dict[str, Any]:
+def tier_view(snapshot: Any, hit_tokens: int) -> dict[str, Any]:
     """One tier of a kvstore StoreSnapshot in the server's `kv_tiers` shape: every tier
-    counter, token counts, usage, health, and get/put latencies as load/save histograms."""
+    counter, token counts, usage, health, and get/put latencies as load/save histograms.
+
+    `hit_tokens` is the worker's count of prompt tokens loads copied into requests from
+    records that came from this tier (`kv_external_hit_tokens_<tier>`), not the
+    snapshot's records x chunk size: a load takes the blocks of a record from its first
+    one not on the device, and a record a prefetch read counts for the tier it came from,
+    so one definition serves kvtier:store_hit_tokens and kvtier:external_hit_tokens."""
     view: dict[str, Any] = dict(snapshot.counters)
     view.update(
-        hit_tokens=snapshot.hit_tokens,
+        hit_tokens=hit_tokens,
         miss_tokens=snapshot.miss_tokens,
         usage_bytes=snapshot.usage_bytes,
         capacity_bytes=snapshot.capacity_bytes,

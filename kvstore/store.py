@@ -88,12 +88,16 @@ class LoadPart:
     count: int
     slot: int
     read: RecordRead | None  # None: the record is in the cpu tier (the slot is held)
+    # For a record in the cpu tier: the lower tier a prefetch read it from, when this is
+    # the first load to take it (see TieredStore._prefetched); None: the cpu tier's own.
+    origin: str | None = None
 
     @property
     def tier(self) -> str | None:
-        """Where the blocks came from; None while they have not (or will not) arrive."""
+        """Where the blocks came from (a prefetched record: the tier it was read from);
+        None while they have not (or will not) arrive."""
         if self.read is None:
-            return CpuTier.name
+            return self.origin or CpuTier.name
         return self.read.tier if self.read.state is ReadState.OK else None
 
 
@@ -191,6 +195,11 @@ class TieredStore:
         self._closed = False
         self._prefetches: list[tuple[Future[None], list[RecordRead]]] = []
         self._reading: dict[str, RecordRead] = {}  # started, not settled yet
+        self._probe_timeout_logged = False  # see _probe
+        # Records a prefetch read into the cpu tier, and the tier each came from: the load
+        # that first takes one counts it for that tier (it came from there for the request
+        # the prefetch was for), later loads for the cpu tier.
+        self._prefetched: dict[str, str] = {}
         self._runtime = IoRuntime()
         self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self._runtime, self.counters)
         self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes)
@@ -259,6 +268,9 @@ class TieredStore:
             removed = tier.take_removed()
             if removed:
                 self.index.discard(removed, tier.name)
+                if tier is self.memory:
+                    for name in removed:
+                        self._prefetched.pop(name, None)
         for name, recoveries in recovered:
             self._recoveries[name] = recoveries
             self.index.drop_tier(name)
@@ -268,6 +280,7 @@ class TieredStore:
             for _, reads in done:
                 self.counters.add(prefetch_records=sum(r.state is ReadState.OK for r in reads))
                 self._settle_reads(reads)
+                self._prefetched.update((r.name, r.tier) for r in reads if r.state is ReadState.OK)
 
     def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> list[BlockLocation]:
         """The leading run of blocks `start..end-1` of a sequence that the store holds."""
@@ -356,8 +369,8 @@ class TieredStore:
         if copy_seconds is not None and self.memory.retain and any(p.read is None for p in load.parts):
             self.memory.counters.observe_get(copy_seconds)
         for part in load.parts:
-            if part.read is None:
-                self.memory.counters.add(hits=1, bytes_read=part.count * self.spec.block_bytes)
+            if part.read is None:  # a prefetched record's hit was counted by the tier it came from
+                self.memory.counters.add(hits=int(part.origin is None), bytes_read=part.count * self.spec.block_bytes)
                 self.memory.release(part.slot)
         self._settle_reads([p.read for p in load.parts if p.read is not None])
 
@@ -607,7 +620,7 @@ class TieredStore:
         if CpuTier.name in record.tiers:
             slot = self.memory.acquire(record.name)
             if slot is not None:
-                return LoadPart(record.name, position, 1, slot, None)
+                return LoadPart(record.name, position, 1, slot, None, self._prefetched.pop(record.name, None))
             self.index.discard([record.name], CpuTier.name)
         read = self._start_read(record)
         if read is None:
@@ -703,6 +716,7 @@ class TieredStore:
 
     async def _probe(self, tiers: list[RecordTier], hashes: list[bytes], start: int, future: Future[int]) -> None:
         found: list[tuple[bytes, int, str, int, str]] = []
+        tier = tiers[0]
         try:
             async with asyncio.timeout(self.config.lookup_timeout_s):
                 for tier in tiers:
@@ -712,7 +726,7 @@ class TieredStore:
                         if parsed is not None:
                             found.append((hashes[offset], start + offset, parsed[1], parsed[0], tier.name))
         except TimeoutError:
-            log.warning("kvstore probe timed out after %.3fs", self.config.lookup_timeout_s)
+            self._probe_timed_out(tier)
         except Exception:
             self.counters.add(internal_errors=1)
             log.exception("kvstore probe failed")
@@ -725,6 +739,23 @@ class TieredStore:
                 self._parts.post(learn)
             self.counters.add(probe_hit_blocks=len(found))
             future.set_result(len(found))
+
+    def _probe_timed_out(self, tier: RecordTier) -> None:
+        """A probe that ran past the lookup timeout answers "not found": a block another
+        instance saved is recomputed, a miss no other counter shows, so it is counted
+        (`probe_timeouts` of the tier asked, kvtier:store_probe_timeouts) and logged once
+        per store, with the option to raise: a loaded host times out every probe, and a
+        line per request would flood the log."""
+        tier.counters.add(probe_timeouts=1)
+        if self._probe_timeout_logged:
+            return
+        self._probe_timeout_logged = True
+        log.warning(
+            "kvstore: a probe of the %s tier's block index took longer than the lookup timeout "
+            "(%.3f s, --kv-lookup-timeout): the blocks it asked about count as absent and are "
+            "recomputed. Counted in kvtier:store_probe_timeouts; on a loaded host raise "
+            "--kv-lookup-timeout. Logged once.", tier.name, self.config.lookup_timeout_s,
+        )
 
     def _parse_index_entry(self, entry: bytes | None) -> tuple[int, str] | None:
         """(blocks, record name) of a block index entry, None unless it is well formed."""

@@ -43,6 +43,7 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "checksum_failures",  # truncated or corrupted records (xxh3 mismatch)
     "auth_failures",  # HMAC missing or wrong
     "rejected_records",  # well-formed records of another model, layout or format version
+    "probe_timeouts",  # block index probes past the store's lookup timeout (remote tiers)
 )
 
 

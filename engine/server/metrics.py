@@ -10,7 +10,8 @@
   tier name:
 
       hit_tokens, miss_tokens, bytes_read, bytes_written, evictions, errors,
-      checksum_failures, auth_failures, rejected_records  cumulative counts (int)
+      checksum_failures, auth_failures, rejected_records,
+      probe_timeouts                                      cumulative counts (int)
       usage_bytes, capacity_bytes                         gauges (int)
       healthy                                             bool
       load_latency, save_latency    {"sum": seconds, "count": n,
@@ -105,6 +106,9 @@ TIER_COUNTERS = {
     "errors": ("kvtier:store_errors", "Failed tier operations (the tokens were recomputed)."),
     "checksum_failures": ("kvtier:store_checksum_failures",
                           "Records rejected as damaged: truncated, bad magic or xxh3 checksum mismatch."),
+    "probe_timeouts": ("kvtier:store_probe_timeouts",
+                       "Probes of the tier's block index that took longer than --kv-lookup-timeout: "
+                       "what they asked about counted as absent and was recomputed."),
 }
 # tier counter -> `reason` of kvtier:store_rejected_records (every record a tier refused)
 # (the store counts fingerprint, key, version and layout mismatches as one: "identity")
