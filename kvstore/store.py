@@ -716,7 +716,7 @@ class TieredStore:
 
     async def _probe(self, tiers: list[RecordTier], hashes: list[bytes], start: int, future: Future[int]) -> None:
         found: list[tuple[bytes, int, str, int, str]] = []
-        tier = tiers[0]
+        tier = tiers[0]  # the one being asked when the timeout strikes
         try:
             async with asyncio.timeout(self.config.lookup_timeout_s):
                 for tier in tiers:
