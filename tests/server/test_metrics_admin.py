@@ -163,7 +163,9 @@ def test_admin_store_operations(http):
     prefix = list(range(3, 3 + 100))  # three full 32-token chunks
     pin = http.post("/kv/pin", headers=AUTH, json={"prompt": prefix, "ttl": 60})
     assert pin.status_code == 200, pin.text
-    assert pin.json() == {"ttl": 60, "pinned_chunks": 3, "pinned_tokens": 96}
+    answer = pin.json()
+    assert {key: answer[key] for key in ("ttl", "pinned_chunks", "pinned_tokens", "prompt_tokens", "prompt_format")} \
+        == {"ttl": 60, "pinned_chunks": 3, "pinned_tokens": 96, "prompt_tokens": 100, "prompt_format": "token_ids"}
     unpin = http.post("/kv/unpin", headers=AUTH, json={"prompt": prefix})
     assert unpin.status_code == 200, unpin.text
     assert unpin.json()["unpinned_chunks"] >= 0
