@@ -98,8 +98,11 @@ BLEND_COUNTERS = {
 }
 BLEND_REUSED_PREFIX = "kv_blend_reused_tokens_"  # + where the segment's KV was: device, a tier, computed
 TIER_COUNTERS = {
-    "hit_tokens": ("kvtier:store_hit_tokens", "Tokens found in the tier."),
-    "miss_tokens": ("kvtier:store_miss_tokens", "Tokens looked up and not found in the tier."),
+    "hit_tokens": ("kvtier:store_hit_tokens",
+                   "Prompt tokens loaded into requests from records that came from the tier (a record "
+                   "prefetched into cpu counts for the tier it was read from); the same count as "
+                   "kvtier:external_hit_tokens."),
+    "miss_tokens": ("kvtier:store_miss_tokens", "Tokens of records asked of the tier that it did not deliver."),
     "bytes_read": ("kvtier:store_read_bytes", "Bytes read from the tier."),
     "bytes_written": ("kvtier:store_written_bytes", "Bytes written to the tier."),
     "evictions": ("kvtier:store_evictions", "Chunks evicted from the tier."),
@@ -216,7 +219,8 @@ class EngineStatsCollector:
             family.add_metric([self._model_name], float(stats.get(key, 0)))
             yield family
         family = CounterMetricFamily("kvtier:external_hit_tokens",
-                                     "Prompt tokens loaded from each tier.", labels=["model_name", "tier"])
+                                     "Prompt tokens loaded from each tier (the count of kvtier:store_hit_tokens).",
+                                     labels=["model_name", "tier"])
         for key, count in stats.items():
             if key.startswith(EXTERNAL_HIT_PREFIX):
                 family.add_metric([self._model_name, key.removeprefix(EXTERNAL_HIT_PREFIX)], float(count))
