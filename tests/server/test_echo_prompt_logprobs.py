@@ -136,3 +136,27 @@ def test_echo_with_logprobs_starts_with_the_prompt_tokens(http, offline_llm, tok
     streamed_logprobs = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
     assert streamed_logprobs[0] is None
     assert streamed_logprobs[1:] == pytest.approx(logprobs["token_logprobs"][1:], abs=1e-4)
+
+
+def test_echo_gives_every_choice_its_prompt(http, tokenizer):
+    """n = 2 of two prompts: four choices, each (streamed too) with its own prompt first;
+    the second sequence of a prompt, which forks the first's prefill, echoes it as well."""
+    prompts = [PROMPT, "Lorem ipsum dolor"]
+    fields = {"prompt": prompts, "n": 2, "echo": True, "logprobs": 0, "temperature": 1.0, "seed": 3}
+    body = completion(http, **fields)
+    streamed_text: dict[int, str] = {}
+    streamed_tokens: dict[int, list[str]] = {}
+    for chunk in streamed(http, **fields):
+        for choice in chunk["choices"]:
+            streamed_text[choice["index"]] = streamed_text.get(choice["index"], "") + choice["text"]
+            streamed_tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
+    for choice in body["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        ids = tokenizer(prompt).input_ids
+        assert choice["text"].startswith(prompt) and streamed_text[choice["index"]] == choice["text"]
+        tokens = choice["logprobs"]["tokens"]
+        assert tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert streamed_tokens[choice["index"]] == tokens
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert None not in choice["logprobs"]["token_logprobs"][1:]
+        assert choice["logprobs"]["top_logprobs"] is None  # logprobs 0: no alternatives
