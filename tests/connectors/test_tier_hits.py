@@ -15,7 +15,8 @@ LENGTHS = [150, 97, 260, 81]
 def test_records_prefetched_from_redis_count_as_redis_hits(tiny_llama, redis_url):
     prompts = random_prompts(LENGTHS, vocab_size=480)
     options = {"dtype": "float32", "num_kv_blocks": 64, "kv_chunk_tokens": CHUNK, "kv_redis_url": redis_url,
-               "kv_lookup_timeout": 30.0}  # a busy test host must not turn the probes into misses
+               # a busy test host must not turn probes or reads into misses
+               "kv_lookup_timeout": 30.0, "kv_redis_op_timeout": 30.0, "kv_load_timeout": 60.0}
     with LLM(model=tiny_llama, kv_offload="redis", **options) as writer:
         expected = generate(writer, prompts, [4] * len(prompts))
         assert writer.engine.connector.store.drain(30)

@@ -29,7 +29,10 @@ def open_store(tmp_path):
 
     def make(tiers: str, redis_url: str, **options) -> TieredStore:
         options.setdefault("cpu_size", 1 << 20)
-        options.setdefault("lookup_timeout_s", 5.0)  # the test machine may be busy
+        # the test machine may be busy: no probe or read may give up early
+        options.setdefault("lookup_timeout_s", 30.0)
+        options.setdefault("redis_op_timeout_s", 30.0)
+        options.setdefault("load_timeout_s", 60.0)
         store = TieredStore.from_options(make_spec(), tiers=tiers, redis_url=redis_url, **options)
         stores.append(store)
         return store
