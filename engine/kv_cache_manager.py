@@ -73,7 +73,9 @@ class KVCacheManager:
         On admission pass `new_computed_blocks` (the prefix hit, possibly empty) and
         `num_external_computed_tokens` (tokens a connector will load into the new
         blocks); the request's `num_computed_tokens` must not include them yet. A
-        successful admission counts one prefix-cache query of `request.num_tokens`.
+        successful admission counts one prefix-cache query of `request.num_tokens`,
+        unless the request does not read the cache (`skip_reading_prefix_cache`, as vLLM:
+        its misses would say nothing about the cache).
         Returns the newly allocated blocks, or None (and changes nothing) when the free
         queue cannot supply them; hit blocks revived from the free queue count against it."""
         hits = new_computed_blocks or []
@@ -91,7 +93,7 @@ class KVCacheManager:
         table = self.req_to_blocks.setdefault(request.request_id, table)
         table.extend(hits)
         table.extend(new_blocks)
-        if new_computed_blocks is not None and self.enable_caching:
+        if new_computed_blocks is not None and self.enable_caching and not request.skip_reading_prefix_cache:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(hits) * self.block_size
         return new_blocks

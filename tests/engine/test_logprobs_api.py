@@ -93,8 +93,11 @@ def test_prompt_logprobs_are_computed_past_a_cached_prefix(llm, reference):
     llm.generate([[*prefix, 5]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     [cached] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     assert cached.metrics.num_cached_tokens == 3 * BLOCK  # the device cache holds the prefix
+    before = llm.stats()
     [out] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP), use_tqdm=False)
     assert out.metrics.num_cached_tokens == 0
+    # a request that does not read the cache is no query of it (as in vLLM)
+    assert llm.stats()["prefix_cache_queries"] == before["prefix_cache_queries"]
     assert_prompt_logprobs_match(out, prompt, reference, llm)
     llm.engine.kv_cache_manager.reset_prefix_cache()  # now only the store has it
     [stored] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP),
