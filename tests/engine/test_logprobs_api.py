@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, Logprob, SamplingParams
+from engine import LLM, Logprob, SamplingParams, Segments
 from engine.logprobs import TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParamsError
@@ -117,6 +117,16 @@ def test_prompt_logprobs_survive_preemption(checkpoint, reference):
         assert small.stats()["num_preemptions_total"] > 0
         for out, prompt in zip(outputs, prompts, strict=True):
             assert_prompt_logprobs_match(out, prompt, reference, small)
+
+
+def test_a_segmented_prompt_asking_prompt_logprobs_runs_unblended(llm, reference):
+    """A blend would compute only the question's rows: the request runs as its plain
+    prompt instead, and gets every position's logprobs."""
+    parts = [_prompt(llm, n, seed=20 + n) for n in (10, 40, 33, 6)]
+    [out] = llm.generate([Segments(parts)], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=TOP),
+                         use_tqdm=False)
+    assert out.error is None
+    assert_prompt_logprobs_match(out, [t for part in parts for t in part], reference, llm)
 
 
 def test_output_logprobs_are_vllm_logprob_dicts(llm, reference):
