@@ -8,8 +8,14 @@ import importlib.metadata
 import sys
 from collections.abc import Callable, Iterator
 
-from engine.arg_utils import add_config_arguments, config_from_args, load_options
-from engine.config import ConfigError, EngineConfig, ServerConfig
+from engine.start_signals import StartSignals
+
+# Installed before the imports below, when this process is the kvtier command: Ctrl-C
+# while they load is one line too. (Imported as a library, engine.cli changes no handler.)
+_START_SIGNALS = StartSignals() if StartSignals.is_command(__name__) else None
+
+from engine.arg_utils import add_config_arguments, config_from_args, load_options  # noqa: E402
+from engine.config import ConfigError, EngineConfig, ServerConfig  # noqa: E402
 
 # Nothing here imports torch (engine.builtin_models and engine.models do): every option is
 # checked, and a bad one reported, before any heavy import.
@@ -127,8 +133,21 @@ def _not_installed(name: str, how: str) -> Callable[[argparse.Namespace], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals = _START_SIGNALS or StartSignals()  # the parse and a plugin's import count too
+    try:
+        return _run(argv, signals)
+    finally:
+        signals.release()  # a caller in the same process gets its handlers back
+
+
+def _run(argv: list[str] | None, signals: StartSignals) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    signals.command = f"kvtier {args.command}"
+    if args.command == "serve":
+        args.start_signals = signals
+    else:
+        signals.release()
     try:
         return args.handler(args)
     except ConfigError as exc:
@@ -170,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
     config, settings = load_options(args, EngineConfig, ServerConfig)  # before torch is imported
     from engine.server.api_server import serve
 
-    return serve(config, settings)
+    return serve(config, settings, on_ready=args.start_signals.ready)
 
 
 def _download_model(args: argparse.Namespace) -> int:

@@ -464,7 +464,9 @@ class ServerConfig(Options):
     retry_after: Annotated[int, Field(ge=0, le=int(MAX_SECONDS))] = option(
         1, "Retry-After of 503 answers when the queue is full.", metavar="SECONDS")
     shutdown_timeout: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = option(
-        30.0, "On SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted.",
+        30.0, "On SIGTERM, how long running requests may finish before they are aborted; SIGINT "
+        "(Ctrl-C) aborts them at once. Either way each open stream ends with a last chunk whose "
+        "finish_reason is \"abort\", then [DONE].",
         metavar="SECONDS")
     ready_requires_tiers: Tiers | None = option(
         None, "Offload tiers that must answer for /ready to be 200 (comma-separated, or none). "

@@ -1,13 +1,15 @@
 """`kvtier serve`: the OpenAI-compatible FastAPI app, its routes, and the process lifecycle
-(bind, load, print the summary, run uvicorn, shut down gracefully on SIGINT/SIGTERM)."""
+(bind, load, print the summary, run uvicorn, shut down on SIGINT/SIGTERM)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
@@ -120,13 +122,62 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The ASGI app around a ready ServerState; stopping the app stops the engine."""
+class EngineStopper:
+    """Stops the engine once, from whichever asks first: the signal (`_Server.handle_exit`)
+    or the end of the app (its lifespan)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._stopping: asyncio.Future[None] | None = None
+        self._graceful = False
+
+    def stop(self, graceful: bool) -> asyncio.Future[None]:
+        """Stop accepting; if `graceful`, let running requests finish for --shutdown-timeout
+        seconds; then abort the rest, which ends each open stream with a final `abort` chunk.
+        A stop that is not graceful cuts a graceful one short (Ctrl-C during a drain)."""
+        if self._stopping is None or (self._graceful and not graceful):
+            timeout = self._state.settings.shutdown_timeout
+            self._graceful = graceful
+            self._stopping = asyncio.ensure_future(self._state.engine.shutdown(graceful=graceful, timeout=timeout))
+        return self._stopping
+
+
+# After the engine aborted what was left, how long uvicorn waits for the aborted streams
+# to send their last chunk and close, before it cancels them itself.
+STREAM_CLOSE_S = 10.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, which on SIGINT or SIGTERM also stops the engine at once instead of after
+    every connection closed: SIGTERM drains (running requests get --shutdown-timeout to
+    finish), SIGINT (Ctrl-C, someone at a terminal) aborts them now. Either way each open
+    stream then ends with a final chunk (`finish_reason: "abort"`) and `[DONE]`, so
+    uvicorn never has to cancel one (a CancelledError traceback, the client cut off)."""
+
+    def __init__(self, config: uvicorn.Config, stopper: EngineStopper) -> None:
+        super().__init__(config)
+        self._stopper = stopper
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        try:
+            loop = asyncio.get_running_loop()  # the handler runs on the loop's (main) thread
+        except RuntimeError:
+            return  # not serving yet, or any more: nothing to stop
+        loop.call_soon_threadsafe(self._stopper.stop, sig != signal.SIGINT)
+
+
+def build_app(state: ServerState, on_ready: Callable[[], None] | None = None) -> tuple[FastAPI, EngineStopper]:
+    """The ASGI app around a ready ServerState, and what stops its engine (the app's end
+    does, if nothing did before). `on_ready` runs once the app serves."""
+    stopper = EngineStopper(state)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_ready is not None:
+            on_ready()
         yield
-        await state.engine.shutdown(graceful=True, timeout=state.settings.shutdown_timeout)
+        await stopper.stop(graceful=True)
         state.body_decoder.close()
 
     app = FastAPI(title="kvtier", summary="OpenAI-compatible server of the kvtier engine", lifespan=lifespan)
@@ -144,28 +195,25 @@ def build_app(state: ServerState) -> FastAPI:
     )
     if settings.api_key:  # added last, so it runs first: an unauthenticated body is never read
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    return app
+    return app, stopper
 
 
-def serve(config: EngineConfig, settings: ServerConfig) -> int:
-    """Run the server until SIGINT/SIGTERM; returns the process exit status."""
+def serve(config: EngineConfig, settings: ServerConfig, on_ready: Callable[[], None] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit status. uvicorn
+    handles both signals while it runs and raises them again once it has shut down: the
+    caller's handlers decide then (engine.cli's end the process with 130 and 0).
+    `on_ready` runs once the server takes requests."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     disable_created_metrics()
     sock = bind_socket(settings.host, settings.port)
     names = settings.served_model_name or default_model_names(config.model)
     state = create_state(config, settings, names)
     print(startup_summary(state.engine.engine, settings, names, _url(settings.host, sock.getsockname()[1])), flush=True)
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(state), log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-    ))
-    # uvicorn re-raises SIGTERM once its graceful shutdown is done; nothing is left to
-    # do by then, so the process ends with status 0 instead of dying by the signal.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    app, stopper = build_app(state, on_ready)
+    server = _Server(uvicorn.Config(
+        app, log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout + STREAM_CLOSE_S,
+    ), stopper)
+    server.run(sockets=[sock])
     return 0
 
 

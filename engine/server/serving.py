@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TypeVar
 
 from fastapi.responses import Response, StreamingResponse
@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from engine.async_engine import EngineClosedError, EngineDeadError
 from engine.blend.segments import Segments
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, engine_error
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -23,6 +23,7 @@ from engine.server.responses import (
     DONE_EVENT,
     ChatFormat,
     CompletionFormat,
+    Delta,
     DeltaTracker,
     OutputFormat,
     choices,
@@ -156,11 +157,23 @@ async def _events(
                     yield sse(fmt.chunk(choice, delta, finish))
         if include_usage:
             yield sse(fmt.usage_chunk(usage_of(list(last.values()))))
-    except (EngineClosedError, EngineDeadError) as exc:  # shutdown or crash mid-stream
+    except EngineClosedError:  # the server shuts down (SIGINT/SIGTERM): open choices end as aborted
+        for chunk in _aborted_chunks(fmt, trackers, [c for c in range(len(group) * n) if c // n not in failed]):
+            yield chunk
+    except EngineDeadError as exc:  # a crash mid-stream
         yield error_event(engine_error(exc, state.settings.retry_after))
     finally:
         await group.aclose()
     yield DONE_EVENT
+
+
+def _aborted_chunks(fmt: OutputFormat, trackers: dict[int, DeltaTracker], open_choices: list[int]) -> Iterator[str]:
+    """The last chunk of each choice whose finish was not sent when the engine stopped:
+    no new text and `finish_reason: "abort"` (vLLM's word for it), so that a client can
+    tell a cut answer from a complete one."""
+    for choice in open_choices:
+        if trackers[choice].finish(CompletionOutput(choice, "", [], finish_reason="abort")):
+            yield sse(fmt.chunk(choice, Delta("", [], None, None), "abort"))
 
 
 def _check_logprobs(state: ServerState, requested: int | None, param: str) -> None:

@@ -46,6 +46,10 @@ class RequestGroup:
         self._generators: list[AsyncGenerator[RequestOutput, None]] = []
         self._firsts: list[RequestOutput] = []
 
+    def __len__(self) -> int:
+        """The number of engine requests (prompts) of the call."""
+        return len(self._jobs)
+
     async def start(self) -> None:
         """Admit every request and wait for each one's first output. The queue slots of
         all of their sequences are taken first, at once: a full queue refuses the group
