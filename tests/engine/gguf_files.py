@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import GGUFValue
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -46,17 +49,19 @@ _GGUF_NAMES = {
 
 def write_gguf(
     checkpoint: str, out_path: str, tensor_type: str = "F32", architecture: str | None = None,
-    seed: int = 0,
+    seed: int = 0, metadata: Mapping[str, Any] | None = None,
 ) -> str:
     """Write `checkpoint` as a GGUF file at `out_path`; matrices in `tensor_type`, norms
     and biases in F32 (as llama.cpp does). `architecture` overrides the GGUF
-    architecture name (Mistral is written as "llama", as llama.cpp does)."""
+    architecture name (Mistral is written as "llama", as llama.cpp does). `metadata`
+    edits the metadata as a hostile file would (`edit_metadata`)."""
     with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     arch = architecture or {"mistral": "llama"}.get(config["model_type"], config["model_type"])
     writer = GGUFWriter(out_path, arch)
     _write_metadata(writer, arch, config)
     _write_tokenizer(writer, checkpoint)
+    edit_metadata(writer, metadata or {})
     rng = np.random.default_rng(seed)
     weights = load_file(os.path.join(checkpoint, "model.safetensors"))
     for name, tensor in weights.items():
@@ -88,6 +93,23 @@ def _write_metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(0)
+
+
+def edit_metadata(writer: GGUFWriter, changes: Mapping[str, Any]) -> None:
+    """Apply `changes` (key -> value) to the metadata about to be written: None leaves the
+    key out, a `GGUFValue` is written as given (any type), another value keeps the key's
+    type (a new key: a string, an unsigned 32-bit integer or a float32)."""
+    kv_data = writer.kv_data[0]
+    for key, value in changes.items():
+        if value is None:
+            kv_data.pop(key, None)
+        elif isinstance(value, GGUFValue):
+            kv_data[key] = value
+        elif key in kv_data:
+            kv_data[key] = GGUFValue(value, kv_data[key].type, kv_data[key].sub_type)
+        else:
+            kind = {str: GGUFValueType.STRING, int: GGUFValueType.UINT32}.get(type(value), GGUFValueType.FLOAT32)
+            kv_data[key] = GGUFValue(value, kind)
 
 
 def _write_tokenizer(writer: GGUFWriter, checkpoint: str) -> None:
