@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,12 +26,14 @@ from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import build_connector
 from engine.kv_security import warn_if_shared_without_secret
+from engine.logprobs import PromptLogprobs, SampleLogprobs, logprob_entries, token_text_function
 from engine.model_runner import KVLoadError, ModelRunner, SampledTokens, allocate_kv_cache
 from engine.models import ModelSpec, load_model, load_tokenizer, tokenizer_digest
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import Grammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     sent_tokens: int = 0
+    logprobs: SampleLogprobs = field(default_factory=list)  # vLLM's, of the output tokens so far
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, once all are computed
 
 
 @dataclass
@@ -67,6 +71,7 @@ class _Group:
     sequence_ids: list[str]
     completions: list[CompletionOutput | None]
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # sequence 0's (the one that computes them)
 
     @property
     def finished(self) -> bool:
@@ -85,6 +90,7 @@ class LLMEngine:
         self.model, self.spec = load_model(model_path, config.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model_path, config.tokenizer)
+        self._token_text = token_text_function(self.tokenizer)  # logprobs' decoded tokens
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.model_path = model_path
@@ -115,6 +121,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
         self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
                                self.block_hasher)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, _Group] = {}  # requests with n > 1, by id
         self._sequences: dict[str, tuple[_Group, int]] = {}  # their sequences' ids -> (group, index)
@@ -137,10 +144,10 @@ class LLMEngine:
         ValueError subclasses for bad input."""
         if request_id in self._tracked or request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise SamplingParamsError(
-                "logprobs", f"at most {self.config.max_logprobs} (--max-logprobs), got {params.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise SamplingParamsError(name, f"at most {self.config.max_logprobs} (--max-logprobs), got {asked}")
         token_ids = self.encode(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -148,6 +155,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         ids = [f"{request_id}/{index}" for index in range(params.n)] if params.n > 1 else [request_id]
+        grammars = [self._grammar(params) for _ in ids]  # each sequence follows its own
         requests = [
             Request(
                 request_id=sequence_id,
@@ -156,12 +164,15 @@ class LLMEngine:
                 eos_token_ids=frozenset(self.spec.eos_token_ids),
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
+                grammar=grammars[index],
             )
             for index, sequence_id in enumerate(ids)
         ]
-        # n > 1 shares one prefill among its sequences (a group), which a blend does not do:
-        # such a request runs as the plain prompt
-        blended = params.n == 1 and self.blender.accepts(token_ids) and self.blender.add(requests[0], token_ids)
+        # n > 1 shares one prefill among its sequences (a group), which a blend does not do,
+        # and prompt logprobs need the logits of every prompt position, which a blend does
+        # not compute: such a request runs as the plain prompt
+        blended = (params.n == 1 and params.prompt_logprobs is None and self.blender.accepts(token_ids)
+                   and self.blender.add(requests[0], token_ids))
         if not blended:
             self.scheduler.add_request(requests[0], requests[1:], group or request_id)
         text = prompt if isinstance(prompt, str) else None
@@ -172,6 +183,13 @@ class LLMEngine:
             group = self._groups[request_id] = _Group(request_id, ids, [None] * params.n)
             self._sequences.update((sequence_id, (group, i)) for i, sequence_id in enumerate(ids))
         return requests[0]
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """The structured-output state of one new sequence (GrammarError if it cannot be
+        compiled)."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (every sequence of one with n > 1); unknown ids are ignored."""
@@ -264,6 +282,8 @@ class LLMEngine:
                 continue
             group.completions[index] = dataclasses.replace(output.outputs[0], index=index)
             group.error = group.error or output.error
+            if index == 0 and output.prompt_logprobs is not None:
+                group.prompt_logprobs = output.prompt_logprobs
             known = by_group.get(group.request_id)
             if known is None:
                 known = by_group[group.request_id] = dataclasses.replace(
@@ -277,6 +297,7 @@ class LLMEngine:
             group = self._groups[output.request_id]
             output.outputs = [c for c in group.completions if c is not None]
             output.finished, output.error = group.finished, group.error
+            output.prompt_logprobs = group.prompt_logprobs
             if output.finished:
                 self._forget_group(group)
         return merged
@@ -320,7 +341,7 @@ class LLMEngine:
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if with_logprobs else None,
+            logprobs=self._logprobs_of(tracked) if with_logprobs else None,
             top_logprobs=list(request.output_top_logprobs) if with_logprobs else None,
             stop_reason=request.stop_reason,
         )
@@ -333,7 +354,31 @@ class LLMEngine:
             metrics=request_metrics(request),
             error=request.error,
             new_token_ids=new_ids,
+            prompt_logprobs=self._prompt_logprobs_of(tracked),
         )
+
+    def _logprobs_of(self, tracked: _Tracked) -> SampleLogprobs:
+        """vLLM's logprobs of the request's output tokens, each token's built once."""
+        request, built = tracked.request, tracked.logprobs
+        for position in range(len(built), len(request.output_logprobs)):
+            built.append(logprob_entries(
+                request.output_token_ids[position], request.output_logprobs[position],
+                request.output_top_logprobs[position], self._token_text,
+            ))
+        return list(built)
+
+    def _prompt_logprobs_of(self, tracked: _Tracked) -> PromptLogprobs | None:
+        """vLLM's prompt logprobs of the request once all are computed (built once)."""
+        request = tracked.request
+        if tracked.prompt_logprobs is None and request.sampling_params.prompt_logprobs is not None \
+                and not request.num_prompt_logprobs_missing:
+            tracked.prompt_logprobs = [None] + [
+                logprob_entries(token_id, logprob, top, self._token_text)
+                for token_id, logprob, top in zip(
+                    request.prompt_token_ids[1:], request.prompt_logprobs, request.prompt_top_logprobs, strict=True
+                )
+            ]
+        return tracked.prompt_logprobs
 
     def _execute(self, out: SchedulerOutput) -> tuple[SampledTokens, list[Failure]]:
         """Run the step; if it raises, find the requests that make it raise."""
@@ -470,7 +515,9 @@ def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.n == 1:
         return params
     seed = None if params.seed is None else (params.seed + index) % 2**63
-    return dataclasses.replace(params, n=1, seed=seed)
+    # prompt logprobs come from sequence 0, which computes the prompt (the others fork it)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _describe(exc: Exception) -> str:

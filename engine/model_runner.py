@@ -7,12 +7,20 @@ from dataclasses import dataclass
 import torch
 
 from connectors.base import NullConnector, WorkerConnector
-from engine.sampler import Sampler, make_generator
+from engine.logprobs import TokenLogprob, TopLogprobs
+from engine.request import Request
+from engine.sampler import Sampler, make_generator, token_logprobs
 from engine.scheduler import SchedulerOutput
+from engine.structured_output import MaskBuilder, apply_masks
 from kvkernels.metadata import AttentionMetadata
 
-# request id -> (token id, its logprob, the top logprobs), logprobs None unless asked
-SampledTokens = dict[str, tuple[int, float | None, list[tuple[int, float]] | None]]
+# request id -> (token id, its logprob and rank, the top logprobs), logprobs None unless asked
+SampledTokens = dict[str, tuple[int, TokenLogprob | None, TopLogprobs | None]]
+
+
+# Rows of prompt logits turned into logprobs at once: bounds the [rows, vocab] fp32
+# buffers of a long prefill chunk (256 rows of a 152k vocabulary: 155 MB).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class KVLoadError(RuntimeError):
@@ -27,6 +35,9 @@ class PreparedBatch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # row of each sampled request's last token
     sampled_requests: list  # the requests that get a token this step
+    # (request, first row, position of that row, rows): the rows whose logits give prompt
+    # logprobs still missing, the logprobs of prompt tokens position + 1, ...
+    prompt_logprob_runs: list[tuple[Request, int, int, int]]
 
 
 def allocate_kv_cache(
@@ -52,6 +63,7 @@ class ModelRunner:
         self.connector: WorkerConnector = connector or NullConnector()
         self.device = kv_cache.device
         self.sampler = Sampler()
+        self._masks = MaskBuilder()  # structured outputs' token masks, built during the forward
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
@@ -62,12 +74,17 @@ class ModelRunner:
             if out.connector_meta is not None:
                 self._start_load(out.connector_meta)
             batch = self.prepare(out)
+            guided = [row for row, r in enumerate(batch.sampled_requests) if r.grammar is not None]
+            masks = self._masks.start([batch.sampled_requests[row].grammar for row in guided]) if guided else None
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            self._record_prompt_logprobs(batch.prompt_logprob_runs, hidden)
             if out.connector_meta is not None:
                 self.connector.wait_for_save()
             if not batch.sampled_requests:
                 return {}
             logits = self.model.compute_logits(hidden[batch.sample_rows])
+            if masks is not None:
+                apply_masks(logits, guided, masks.result())
         return self._sample(batch.sampled_requests, logits)
 
     def _start_load(self, meta: object) -> None:
@@ -88,10 +105,16 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled = []
+        prompt_runs = []
         for req, num_new, start, sample in zip(
             out.requests, out.num_new_tokens, out.start_positions, out.sample, strict=True
         ):
             end = start + num_new
+            if req.num_prompt_logprobs_missing:
+                # row p predicts prompt token p + 1; the first len(prompt_logprobs) are in
+                first, last = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_runs.append((req, len(token_ids) + first - start, first, last - first))
             token_ids += req.token_ids_between(start, end)
             positions += range(start, end)
             seq_lens.append(end)
@@ -117,7 +140,23 @@ class ModelRunner:
             meta=meta,
             sample_rows=self._to_device(torch.tensor(sample_rows, dtype=torch.long)),
             sampled_requests=sampled,
+            prompt_logprob_runs=prompt_runs,
         )
+
+    def _record_prompt_logprobs(self, runs: list[tuple[Request, int, int, int]], hidden: torch.Tensor) -> None:
+        """Give each request of `runs` the logprobs of the prompt tokens its rows of
+        `hidden` predict (with the top `prompt_logprobs` tokens), as vLLM's prompt logprobs.
+        They go on the request itself, which keeps them across the chunks of its prefill;
+        a step run again records nothing twice (Request.add_prompt_logprobs)."""
+        for request, row, position, count in runs:
+            num_top = request.sampling_params.prompt_logprobs
+            for offset in range(0, count, PROMPT_LOGPROBS_ROWS):
+                rows = min(PROMPT_LOGPROBS_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[row + offset : row + offset + rows])
+                first = position + offset + 1
+                targets = torch.tensor(request.prompt_token_ids[first : first + rows], device=logits.device)
+                logprobs, top = token_logprobs(logits, targets, [num_top] * rows)
+                request.add_prompt_logprobs(first, logprobs, top)
 
     def clear_step_kv(self, out: SchedulerOutput) -> None:
         """Zero, in every layer, the KV slots that `out` writes. A forward that raised may

@@ -5,8 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from engine.logprobs import TokenLogprob, TopLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -38,8 +43,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # with `prompt_logprobs`: those of prompt tokens 1, 2, ... (token 0 has none), in order
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     peak_computed_tokens: int = 0  # most tokens ever computed: beyond a resume, work redone
@@ -52,6 +60,7 @@ class Request:
     finish_time: float | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    grammar: Grammar | None = None  # structured outputs: what the output must match, followed
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -79,6 +88,29 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprobs are asked for and not computed yet."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether KV may not come from the prefix cache or the KV store: prompt logprobs
+        come from the logits of every prompt position, which a cache hit skips (vLLM v1
+        skips the cache for such requests too). Once they are all in, a resume may hit."""
+        return self.num_prompt_logprobs_missing > 0
+
+    def add_prompt_logprobs(self, first: int, logprobs: list[TokenLogprob], top: list[TopLogprobs]) -> None:
+        """Record the logprobs of prompt tokens `first`, `first` + 1, ... (a chunk of the
+        prefill; a chunk computed again after a preemption records only what is new)."""
+        known = len(self.prompt_logprobs) + 1
+        if first > known:
+            raise ValueError(f"prompt logprobs from token {first}, but only up to token {known - 1} are known")
+        self.prompt_logprobs += logprobs[known - first :]
+        self.prompt_top_logprobs += top[known - first :]
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
@@ -87,9 +119,11 @@ class Request:
         return self.status.value if self.status.finished else None
 
     def append_output_token(
-        self, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+        self, token_id: int, logprob: TokenLogprob | None = None, top: TopLogprobs | None = None
     ) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error = f"token {token_id} does not match the structured output: {self.grammar.error()}"
         if logprob is not None:
             self.output_logprobs.append(logprob)
             self.output_top_logprobs.append(top or [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
@@ -11,6 +12,29 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match, as vLLM's `StructuredOutputsParams`: exactly one of a
+    JSON schema (a dict or its JSON text), any JSON object, a regular expression, one of
+    a list of strings, or a Lark grammar (llguidance's dialect, which may embed JSON
+    schemas with `%json`). engine/structured_output.py compiles it."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", "give exactly one of json, json_object, regex, choice or grammar")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise SamplingParamsError("structured_outputs", "choice must be a non-empty list of strings")
 
 
 @dataclass
@@ -27,7 +51,11 @@ class SamplingParams:
     # vLLM's meaning: None, no logprobs; k >= 0, the sampled token's logprob and the k
     # most likely tokens' (True and False, an older spelling, mean 0 and None)
     logprobs: int | None = None
+    # vLLM's: None, none; k >= 0, each prompt token's logprob (after the first) and the k
+    # most likely tokens at its position (the request then takes no prefix-cache hits)
+    prompt_logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +71,8 @@ class SamplingParams:
             raise SamplingParamsError("n", f"must be >= 1, got {self.n}")
         if self.logprobs is not None and self.logprobs < 0:
             raise SamplingParamsError("logprobs", f"must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise SamplingParamsError("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -55,9 +55,10 @@ from engine.block_pool import KVBlock
 from engine.config import EngineConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.logprobs import TokenLogprob, TopLogprobs
 from engine.request import Request, RequestStatus
 
-SampledTokens = dict[str, tuple[int, float | None, list[tuple[int, float]] | None]]
+SampledTokens = dict[str, tuple[int, TokenLogprob | None, TopLogprobs | None]]
 
 
 class RequestTooLongError(ValueError):
@@ -431,7 +432,10 @@ class Scheduler:
 
     def _num_external_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """Tokens the connector can load after the device hit, leaving the last token
-        to compute, and whether they load asynchronously; None: not known yet."""
+        to compute, and whether they load asynchronously; None: not known yet. A
+        request that must compute its prompt itself (prompt logprobs) loads nothing."""
+        if request.skip_reading_prefix_cache:
+            return 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed)
         if num_external is None:
             return None, False
@@ -456,7 +460,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         """Why the request stops after its newest token (vLLM's order: EOS, stop token
-        ids, length). max_model_len needs no check: add_request rejects any request whose
+        ids, a completed grammar, length). max_model_len needs no check: add_request rejects any request whose
         prompt + max_tokens exceeds it."""
         token_id = request.output_token_ids[-1]
         params = request.sampling_params
@@ -464,6 +468,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.error is not None:  # the sampled token broke the request's grammar
+            return RequestStatus.FINISHED_ERROR
+        if request.grammar is not None and request.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
