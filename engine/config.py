@@ -474,6 +474,15 @@ class ServerConfig(Options):
         "the body but does not fail readiness unless named here: every instance sharing it still "
         "serves (recomputing what it held), and failing them all would turn a cache outage into "
         "a full outage.", metavar="TIERS")
+    tool_call_parser: Literal["hermes", "llama3_json"] = option(
+        "hermes", "How tool calls are written in the model's output (vLLM's names): hermes, "
+        "<tool_call>{...}</tool_call> blocks (Qwen2.5, Hermes, ChatML models, and the default "
+        "rendering for templates that take no tools); llama3_json, {\"name\": ..., \"parameters\": ...} "
+        "(Llama 3.x).")
+    enable_auto_tool_choice: bool = option(
+        True, "Serve tool_choice \"auto\" (the default when a request gives tools): the model "
+        "decides and its calls are parsed with --tool-call-parser. With --no-enable-auto-tool-choice "
+        "only \"none\", \"required\" and named choices are served, as vLLM without the flag.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = option(
         "info", "Server log level.")
 

@@ -101,13 +101,14 @@ class PromptTokenizer:
         return token_lists
 
     async def encode_chat(
-        self, messages: list[dict], param: str = "messages", separator: str | None = None
+        self, messages: list[dict], param: str = "messages", separator: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int] | SegmentedTokens:
-        """The chat template applied to `messages` (with the generation prompt),
-        tokenized; segmented where `separator` (else --kv-blend-separator) occurs in a
-        message."""
+        """The chat template applied to `messages` (with the generation prompt, and
+        `tools` for a template that takes them), tokenized; segmented where `separator`
+        (else --kv-blend-separator) occurs in a message."""
         chars = sum(len(m["content"]) for m in messages)
-        return await self._run(chars, self._encode_chat, messages, separator or self.separator, param)
+        return await self._run(chars, self._encode_chat, messages, separator or self.separator, param, tools)
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """`text` tokenized as it is, with the checks of a prompt (POST /tokenize)."""
@@ -139,8 +140,10 @@ class PromptTokenizer:
         async with self._lend_core():
             return await asyncio.to_thread(fn, *args)
 
-    def _encode_chat(self, messages: list[dict], separator: str | None, param: str) -> list[int] | SegmentedTokens:
-        text = self._render_chat(messages, param)
+    def _encode_chat(
+        self, messages: list[dict], separator: str | None, param: str, tools: list[dict] | None = None
+    ) -> list[int] | SegmentedTokens:
+        text = self._render_chat(messages, param, tools=tools)
         # The rendered template carries its own special tokens, as apply_chat_template's
         # own tokenization assumes.
         if separator and any(separator in m["content"] for m in messages):
@@ -149,14 +152,16 @@ class PromptTokenizer:
                 return self._encode_segments(segments, False, param)
         return self._encode_text(text, False, param)
 
-    def _render_chat(self, messages: list[dict], param: str, add_generation_prompt: bool = True) -> str:
+    def _render_chat(
+        self, messages: list[dict], param: str, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The chat template's text for `messages`; a template that fails on them is a 400
         naming the cause: its own `raise_exception`, an error in it (TemplateError), or a
         limit of Jinja's sandbox that stopped it (`range()` beyond MAX_RANGE items is an
         OverflowError), since the messages are what made it fail."""
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, tools=tools)
         except (TemplateError, OverflowError) as exc:
             raise APIError(400, f"the chat template failed on these {param}: {type(exc).__name__}: {exc}",
                            param=param, code="invalid_value") from None

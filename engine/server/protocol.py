@@ -129,6 +129,14 @@ def parse_content(value: Any) -> str:
     raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
 
+def parse_content_or_none(value: Any) -> str | None:
+    return None if value is None else parse_content(value)
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
+
+
 def only_neutral(*neutral: Any) -> classmethod:
     """A validator accepting a field the engine cannot honour only at a neutral value."""
 
@@ -148,10 +156,101 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: Text  # a JSON object's text
+
+
+class ToolCallItem(_Strict):
+    """A call the assistant made, in a message of the history or of a response."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, BeforeValidator(parse_content)]
+    # None only in an assistant message that made tool calls
+    content: Annotated[str | None, BeforeValidator(parse_content_or_none)] = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call answered
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (content always a string)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: Text = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
 
 class _SamplingRequest(_Strict):
@@ -176,6 +275,14 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # what the output must match: OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* extras (at most one of them; engine/server/structured.py reads them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # vLLM's extra: each prompt token's logprob and the k most likely at its position
     prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the engine)
 
@@ -243,9 +350,27 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked in serving)
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    # default: "auto" when tools are given, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    _no_tools = field_validator("tools")(only_neutral(None, []))
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        forcing = choice in ("auto", "required") or isinstance(choice, NamedToolChoice)
+        if forcing and not tools:
+            raise ValueError(f"{_choice_text(choice)} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {choice.function.name!r}, which tools do not list")
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -311,7 +436,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -331,9 +457,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with `prompt_logprobs`
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: the first delta of call `index` carries its id, type and name;
+    this server sends each call whole, in one delta."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -27,10 +27,15 @@ from engine.server.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCallItem,
     UsageInfo,
 )
+from engine.tool_calls import ToolCallParser, ToolCallStream
 
 TokenText = Callable[[int], str]
 DONE_EVENT = "data: [DONE]\n\n"
@@ -277,12 +282,21 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, n: int = 1) -> None:
+    """Chat output; with a tool-call parser (tools offered, tool_choice not "none") the
+    text is read for tool calls, sent as `tool_calls` instead of content."""
+
+    def __init__(
+        self, request_id: str, model: str, token_text: TokenText, n: int = 1,
+        tool_parser: ToolCallParser | None = None,
+    ) -> None:
         self._id = request_id
         self._n = n
         self._model = model
         self._created = int(time.time())
         self._token_text = token_text
+        self._tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._calls_sent: dict[int, int] = defaultdict(int)
 
     def head_chunks(self) -> list[BaseModel]:
         return [
@@ -291,9 +305,25 @@ class ChatFormat:
         ]
 
     def chunk(self, index: int, delta: Delta, finish: str | None) -> ChatCompletionChunk:
-        content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
         logprobs = chat_logprobs(delta, self._token_text)
-        return self._chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs, finish_reason=finish)])
+        if self._tool_parser is None:
+            content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+            return self._chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs, finish_reason=finish)])
+        stream = self._tool_streams.setdefault(index, self._tool_parser.stream())
+        text, calls = stream.feed(delta.text)
+        if finish is not None:
+            rest, more = stream.finish()
+            text, calls = text + rest, calls + more
+        first = self._calls_sent[index]
+        self._calls_sent[index] += len(calls)
+        tool_deltas = [
+            DeltaToolCall(index=first + i, id=call.id, type="function",
+                          function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(calls)
+        ]
+        message = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
+        finish = _tool_finish(finish, self._calls_sent[index] > 0)
+        return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -302,11 +332,14 @@ class ChatFormat:
         answers = []
         for index, completion in sorted(choices(outputs, self._n), key=lambda c: c[0]):
             delta = DeltaTracker().advance(completion)
+            content, calls = (delta.text, []) if self._tool_parser is None else self._tool_parser.parse(delta.text)
             answers.append(ChatCompletionChoice(
                 index=index,
-                message=ChatResponseMessage(content=delta.text),
+                message=ChatResponseMessage(content=content, tool_calls=[
+                    ToolCallItem(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+                ]),
                 logprobs=chat_logprobs(delta, self._token_text),
-                finish_reason=completion.finish_reason,
+                finish_reason=_tool_finish(completion.finish_reason, bool(calls)),
             ))
         return ChatCompletionResponse(
             id=self._id, created=self._created, model=self._model, choices=answers, usage=usage_of(outputs),
@@ -317,3 +350,8 @@ class ChatFormat:
         return ChatCompletionChunk(
             id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
         )
+
+
+def _tool_finish(finish: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason of a choice that stopped by itself after calling tools."""
+    return "tool_calls" if finish == "stop" and made_calls else finish

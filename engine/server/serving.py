@@ -16,7 +16,7 @@ from starlette.requests import Request
 from engine.async_engine import EngineClosedError, EngineDeadError
 from engine.blend.segments import Segments
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server.errors import APIError, engine_error
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import (
@@ -40,6 +40,8 @@ from engine.server.streams import (
     RequestGroup,
     until_disconnected,
 )
+from engine.server.structured import chat_constraint, compiled, requested_constraint
+from engine.tool_calls import get_parser, render_messages, template_takes_tools
 
 T = TypeVar("T")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -52,12 +54,14 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     state.check_sequence_count(body.num_prompts, body.n)
     _check_logprobs(state, body.logprobs, "logprobs")
     prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
+    constraint = requested_constraint(body)
+    await compiled(state.grammars, constraint)
     token_lists = await _translated(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
         max_tokens = _max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(token_ids), state.max_model_len)
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs, constraint=constraint)
         jobs.append(EngineJob(f"{request_id}-{i}", token_ids, params))
     echo = await _echo_texts(state, prompts, token_lists) if body.echo else None
     fmt = CompletionFormat(request_id, model, state.token_text, body.logprobs, body.n, echo)
@@ -70,14 +74,26 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     state.check_sequence_count(1, body.n)
     _check_logprobs(state, body.top_logprobs, "top_logprobs")
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    choice = body.effective_tool_choice
+    if choice == "auto" and not state.settings.enable_auto_tool_choice:
+        raise APIError(400, 'tool_choice "auto" is not served here (--no-enable-auto-tool-choice); '
+                       'use "none", "required" or a named function', param="tool_choice", code="invalid_value")
+    parser = get_parser(state.settings.tool_call_parser)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if choice != "none" else None
+    messages, template_tools = render_messages(
+        [m.template_dict() for m in body.messages], tools, parser,
+        template_takes_tools(state.prompts.tokenizer.chat_template),
+    )
+    constraint = chat_constraint(body, tools, parser)
+    await compiled(state.grammars, constraint)
     token_ids = await _translated(
-        state, state.prompts.encode_chat(messages, "messages", body.kv_blend_separator), "messages"
+        state, state.prompts.encode_chat(messages, "messages", body.kv_blend_separator, template_tools), "messages"
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
-    params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    fmt = ChatFormat(request_id, model, state.token_text, body.n)
+    params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                              constraint=constraint)
+    fmt = ChatFormat(request_id, model, state.token_text, body.n, tool_parser=parser if tools else None)
     return await _run(state, raw, body, [EngineJob(f"{request_id}-0", token_ids, params)], fmt, "messages")
 
 
@@ -211,8 +227,10 @@ async def _echo_texts(
 
 
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+    constraint: tuple[StructuredOutputsParams, str] | None = None,
 ) -> SamplingParams:
+    """`constraint`: the output constraint and the field that gave it (engine/server/structured.py)."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -227,6 +245,7 @@ def _sampling_params(
             logprobs=logprobs,
             prompt_logprobs=_prompt_logprobs(body),
             n=body.n,
+            structured_outputs=None if constraint is None else constraint[0],
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc

@@ -19,6 +19,7 @@ from engine.server.prompts import PromptTokenizer
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from engine.structured_output import GrammarCompiler
 
 TOKEN_TEXT_CACHE = 65536
 
@@ -40,6 +41,7 @@ class ServerState:
     token_text: Callable[[int], str]
     tier_health: Callable[[], dict[str, str]]  # offload tier -> "healthy"/"unhealthy", read now
     max_logprobs: int
+    grammars: GrammarCompiler  # structured outputs, shared with the engine (engine/structured_output.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -109,6 +111,7 @@ def create_state(
         token_text=_token_text_function(tokenizer),
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,
+        grammars=engine.grammars,
     )
 
 
