@@ -183,8 +183,8 @@ class GGUFCheckpoint:
             )
         return arch
 
-    def _arch_field(self, name: str, default: Any = None) -> Any:
-        return self.field(f"{self.gguf_architecture}.{name}", default)
+    def _arch_field(self, name: str) -> Any:
+        return self.field(f"{self.gguf_architecture}.{name}")
 
     @cached_property
     def config(self) -> dict[str, Any]:
