@@ -30,6 +30,7 @@ WORKLOADS = {
     "throughput": ("bench.throughput", "real-text prompts without reuse at concurrency 1/8/32/64 vs transformers"),
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),
     "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),
+    "structured-outputs": ("bench.structured_outputs", "JSON schemas and tool calls: validity, and cost vs free text"),
 }
 
 
