@@ -15,7 +15,7 @@ from engine.start_signals import StartSignals
 _START_SIGNALS = StartSignals() if StartSignals.is_command(__name__) else None
 
 from engine.arg_utils import add_config_arguments, config_from_args, load_options  # noqa: E402
-from engine.config import ConfigError, EngineConfig, ServerConfig  # noqa: E402
+from engine.config import ConfigError, EngineConfig, ServerConfig, check_host_budgets  # noqa: E402
 
 # Nothing here imports torch (engine.builtin_models and engine.models do): every option is
 # checked, and a bad one reported, before any heavy import.
@@ -187,6 +187,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     config, settings = load_options(args, EngineConfig, ServerConfig)  # before torch is imported
+    check_host_budgets(config)  # the server faults its cpu tier in at start
     from engine.server.api_server import serve
 
     return serve(config, settings, on_ready=args.start_signals.ready)

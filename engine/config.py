@@ -545,6 +545,64 @@ def missing_model_message(path: str) -> str:
     return f"{path}: no such local directory or GGUF file{hint}"
 
 
+# ---- what the host can hold ---------------------------------------------------------------
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the kernel's MemAvailable, and below it what
+    the cgroup's limit leaves (a container sees the host's MemAvailable). None where
+    neither can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            limits.append(max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def disk_room(directory: str) -> int:
+    """Bytes a disk tier at `directory` may hold: the file system's free space plus the
+    records the directory holds already (a restart keeps them; they count against the
+    budget, not against the free space)."""
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    stat = os.statvfs(existing)
+    held = sum(entry.stat().st_size for entry in Path(directory).rglob("*") if entry.is_file()) \
+        if Path(directory).is_dir() else 0
+    return stat.f_bavail * stat.f_frsize + held
+
+
+def check_host_budgets(config: EngineConfig) -> None:
+    """Refuse, before anything is allocated, a cpu tier larger than the memory available
+    or a disk budget larger than the disk's room: `kvtier serve` faults its cpu tier in
+    at start, so a tier the host cannot hold would swap or be killed, and a disk tier
+    past the free space fails its writes when the disk fills. (An error rather than a
+    quietly smaller tier: the size is the operator's to choose.)"""
+    if "cpu" in config.kv_offload:
+        available = available_memory()
+        if available is not None and config.kv_offload_cpu_size > available:
+            raise ConfigError("kv_offload_cpu_size", (
+                f"{format_size(config.kv_offload_cpu_size)} is more than this host's available memory "
+                f"({available / GiB:.1f} GiB); lower it"))
+    if "disk" in config.kv_offload:
+        room = disk_room(config.disk_path)
+        if config.kv_offload_disk_size > room:
+            raise ConfigError("kv_offload_disk_size", (
+                f"{format_size(config.kv_offload_disk_size)} is more than the room at {config.disk_path} "
+                f"({room / GiB:.1f} GiB: free space plus the records it holds); lower it"))
+
+
 def redact_url(url: str) -> str:
     """`url` without its credentials (redis://:secret@host -> redis://***@host)."""
     return re.sub(r"//[^@/]*@", "//***@", url)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -241,6 +242,7 @@ def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str,
         f"  KV pool  {engine.num_kv_blocks} blocks x {config.block_size} tokens = {pool_tokens} tokens "
         f"({format_bytes(engine.num_kv_blocks * engine.block_bytes)}), max model len {config.max_model_len}",
         f"  offload  {_offload_summary(config)}",
+        f"  memory   {_memory_summary(engine)}",
         f"  queue    {config.max_num_seqs} running + {settings.max_waiting_requests} waiting requests, "
         f"{settings.prompt_limit(config.max_num_seqs)} prompts per request at most",
         f"  API key  {'required on /v1/' if settings.api_key else 'none (any client is served)'}",
@@ -248,6 +250,28 @@ def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str,
         f"  URL      {url}",
     ]
     return "\n".join(lines)
+
+
+def _memory_summary(engine: LLMEngine) -> str:
+    """What the process holds from now on: its resident memory (the cpu tier is faulted
+    in by the time the summary prints) and what it is made of."""
+    config = engine.config
+    parts = ["weights", f"KV pool {format_bytes(engine.num_kv_blocks * engine.block_bytes)}"
+             + (f" (on {engine.device})" if engine.device.type != "cpu" else "")]
+    if "cpu" in config.kv_offload:
+        parts.append(f"cpu tier {format_bytes(config.kv_offload_cpu_size)}")
+    resident = _resident_bytes()
+    held = f"{format_bytes(resident)} resident" if resident is not None else "resident size unknown"
+    return f"{held}, held while it serves: {', '.join(parts)}"
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux), else None."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _offload_summary(config: EngineConfig) -> str:
