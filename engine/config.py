@@ -15,6 +15,7 @@ Every failure is a `ConfigError` naming the option.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from pathlib import Path
@@ -398,13 +399,69 @@ def store_option(store_field: str | None) -> str:
     return "kv_offload"
 
 
-class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions):
+logger = logging.getLogger(__name__)
+# vLLM's flags that change nothing here, and why (said once, when one is given).
+_VLLM_NOTES = {
+    "tensor_parallel_size": "kvtier runs one device per instance",
+    "enable_chunked_prefill": "kvtier always chunks long prefills (--max-num-batched-tokens)",
+    "disable_log_requests": "kvtier does not log requests",
+    "trust_remote_code": "kvtier runs no code from a checkpoint, only its own model classes",
+}
+
+
+class VllmOptions(Options):
+    """vLLM's flags that users paste into kvtier's command lines: accepted with a note
+    where they change nothing here, mapped where kvtier has the same thing."""
+
+    title: ClassVar[str] = "vLLM's flags, accepted for its command lines"
+
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = option(
+        None, "vLLM's; kvtier runs one device per instance, so only 1 is accepted.", metavar="1")
+    enable_chunked_prefill: bool | None = option(
+        None, "vLLM's; kvtier always chunks long prefills (by --max-num-batched-tokens): accepted, "
+        "--no-enable-chunked-prefill refused.")
+    disable_log_requests: bool | None = option(None, "vLLM's; kvtier does not log requests: accepted.")
+    trust_remote_code: bool | None = option(
+        None, "vLLM's; kvtier runs no code from a checkpoint (its own model classes): accepted.")
+    enforce_eager: bool | None = option(None, "vLLM's; the same as --no-fuse-elementwise (no torch.compile).")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = option(
+        None, "vLLM's: the share of the device's memory (of the host's memory on CPU) this "
+        "instance may hold; the KV pool gets what the weights leave of it. Instead of "
+        "--kv-cache-memory and --num-kv-blocks.", metavar="SHARE")
+
+    def _check_vllm(self) -> None:
+        """Note the flags that change nothing, map --enforce-eager, refuse what kvtier
+        cannot do; then fold them away, so that a copy rebuilds the same config silently."""
+        if self.tensor_parallel_size not in (None, 1):
+            raise ConfigError("tensor_parallel_size", f"{_VLLM_NOTES['tensor_parallel_size']}; only 1 is accepted, "
+                              f"got {self.tensor_parallel_size}")
+        if self.enable_chunked_prefill is False:
+            raise ConfigError("enable_chunked_prefill", f"{_VLLM_NOTES['enable_chunked_prefill']}; it cannot be off")
+        for name, why in _VLLM_NOTES.items():
+            if getattr(self, name) is not None:
+                logger.warning("%s: accepted, changes nothing (%s)", flag_name(name), why)
+                setattr(self, name, None)
+        if self.enforce_eager is not None:
+            if self.enforce_eager and "fuse_elementwise" in self.model_fields_set and self.fuse_elementwise:
+                raise ConfigError("enforce_eager", "give it or --fuse-elementwise, not both")
+            if self.enforce_eager:
+                logger.warning("--enforce-eager: running as --no-fuse-elementwise")
+                self.fuse_elementwise = False
+            self.enforce_eager = None
+        if self.gpu_memory_utilization is not None:
+            given = [name for name in ("kv_cache_memory", "num_kv_blocks") if getattr(self, name) is not None]
+            if given:
+                raise ConfigError("gpu_memory_utilization", f"give it or {flag_name(given[0])}, not both")
+
+
+class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions, VllmOptions):
     """Every option of an engine: `LLM(...)`'s keywords. `model=None` means the built-in
     default (builtin:smollm2)."""
 
     def check(self) -> None:
         self._check_model()
         self._check_store()
+        self._check_vllm()
         if self.preemption_mode == "offload" and "cpu" not in self.kv_offload:
             raise ConfigError("preemption_mode", "offload needs the cpu tier (--kv-offload cpu,...)")
         if self.kv_chunk_tokens % self.block_size:
@@ -581,6 +638,26 @@ def disk_room(directory: str) -> int:
     held = sum(entry.stat().st_size for entry in Path(directory).rglob("*") if entry.is_file()) \
         if Path(directory).is_dir() else 0
     return stat.f_bavail * stat.f_frsize + held
+
+
+def host_memory() -> int:
+    """Bytes of memory this process's host (or its cgroup, if smaller) has in all."""
+    with open("/proc/meminfo") as meminfo:
+        total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def resident_memory() -> int | None:
+    """This process's resident memory (Linux), else None."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def check_host_budgets(config: EngineConfig) -> None:

@@ -20,7 +20,7 @@ import torch
 import kvkernels
 from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, host_memory, resident_memory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
@@ -445,6 +445,8 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory
+        if budget is None and self.config.gpu_memory_utilization is not None:
+            budget = _kv_memory_from_share(self.device, self.config.gpu_memory_utilization)
         if budget is None:
             budget = _default_kv_cache_memory(self.device)
         blocks = budget // self.block_bytes
@@ -577,6 +579,21 @@ def _default_kv_cache_memory(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * CUDA_KV_CACHE_FRACTION)
     return DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def _kv_memory_from_share(device: torch.device, share: float) -> int:
+    """vLLM's --gpu-memory-utilization: the instance may hold `share` of the device's
+    memory (the host's on CPU); the KV pool gets what the weights, loaded by now, leave."""
+    if device.type == "cuda":
+        total, held = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
+    else:
+        total, held = host_memory(), resident_memory() or 0
+    budget = int(total * share) - held
+    if budget <= 0:
+        raise ConfigError("gpu_memory_utilization", (
+            f"{share} of {total / 1024**3:.1f} GiB leaves nothing for the KV pool beside the "
+            f"{held / 1024**3:.1f} GiB this instance holds already"))
+    return budget
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import disable_created_metrics
 
 from engine import __version__
-from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url
+from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url, resident_memory
 from engine.server import admin, tokenize_api
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.body_decoder import BodyDecoder
@@ -260,18 +259,9 @@ def _memory_summary(engine: LLMEngine) -> str:
              + (f" (on {engine.device})" if engine.device.type != "cpu" else "")]
     if "cpu" in config.kv_offload:
         parts.append(f"cpu tier {format_bytes(config.kv_offload_cpu_size)}")
-    resident = _resident_bytes()
+    resident = resident_memory()
     held = f"{format_bytes(resident)} resident" if resident is not None else "resident size unknown"
     return f"{held}, held while it serves: {', '.join(parts)}"
-
-
-def _resident_bytes() -> int | None:
-    """This process's resident memory (Linux), else None."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _offload_summary(config: EngineConfig) -> str:
