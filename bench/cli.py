@@ -34,13 +34,21 @@ WORKLOADS = {
 }
 
 
+def workloads_help() -> str:
+    """The workloads, one per line, for --help's epilog."""
+    width = max(map(len, WORKLOADS))
+    return "workloads (WORKLOAD --help: its options; --smoke: tiny sizes for CI):\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, (_, what) in WORKLOADS.items())
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    help_lines = "; ".join(f"{name}: {what}" for name, (_, what) in WORKLOADS.items())
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines kept
+    parser.epilog = workloads_help()
     parser.add_argument("--output-dir", type=Path, default=common.DEFAULT_RESULTS_DIR, metavar="DIR",
                         help="Where the results go: WORKLOAD.json, .md, .png, and WORKLOAD.log with "
                         "everything the run printed besides its progress bar and result "
                         "(default: %(default)s).")
-    parser.add_argument("workload", choices=sorted(WORKLOADS), help=help_lines)
+    parser.add_argument("workload", choices=sorted(WORKLOADS), metavar="WORKLOAD", help="One of the workloads below.")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="Options of the workload (see WORKLOAD --help); every one has --smoke.")
 

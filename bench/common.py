@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.console import plain_number
+
 DEFAULT_RESULTS_DIR = Path("bench/results")
 _results_dir = DEFAULT_RESULTS_DIR
 
@@ -100,7 +102,7 @@ def write_result(name: str, result: dict, markdown: str) -> Path:
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(value: object) -> str:
-        return f"{value:.3g}" if isinstance(value, float) else str(value)
+        return plain_number(value) if isinstance(value, float) else str(value)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]

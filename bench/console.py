@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import warnings
@@ -22,6 +23,15 @@ from tqdm.auto import tqdm
 
 T = TypeVar("T")
 _terminal: IO[str] | None = None
+
+
+def plain_number(value: float) -> str:
+    """Three significant digits and never an exponent: a table of milliseconds reads
+    12346, 123, 12.3, 1.23, 0.0123 (`.3g` wrote 1.23e+04 and 1.23e-05)."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
 
 
 def echo(text: str) -> None:
