@@ -48,12 +48,13 @@ def test_bad_server_flag_is_one_line_naming_it(argv, flag, capsys, monkeypatch):
     assert flag in fail(["serve", *argv], capsys)
 
 
-def test_busy_port_fails_before_the_model_loads(capsys):
+def test_busy_port_fails_before_the_model_loads(capsys, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        err = fail(["serve", "--port", str(port), "--model", "/nonexistent"], capsys)
+        # a directory that exists (the options pass) but holds no checkpoint (loading fails)
+        err = fail(["serve", "--port", str(port), "--model", str(tmp_path)], capsys)
     assert "--port" in err and str(port) in err
 
 
