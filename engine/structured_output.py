@@ -157,11 +157,6 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor
     leaves out (tokens past the bitmask's width included)."""
     import torch
 
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    masked = logits.index_select(0, index).masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
-    logits.index_copy_(0, index, masked)
+    import kvkernels
+
+    kvkernels.apply_token_bitmask(logits, bitmask, torch.tensor(list(rows), dtype=torch.long))

@@ -22,6 +22,7 @@ from kvkernels.metadata import AttentionMetadata
 __all__ = [
     "AttentionMetadata",
     "CpuKernelsUnavailableError",
+    "apply_token_bitmask",
     "copy_runs",
     "gather_blocks",
     "get_backend",
@@ -117,6 +118,12 @@ def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     engine thread: from a thread of its own, a torch thread team of its own would
     oversubscribe the cores (the store's I/O threads copy with `kvstore.host_copy`)."""
     (cpu if _runs_cpu_kernels(dsts[0]) else reference).copy_runs(dsts, srcs)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs' masks: `logits[rows[i], t] = -inf` where bit t of `bitmask[i]`
+    (int32 words, little-endian bit order) is clear, and past the bitmask's width."""
+    (cpu if _runs_cpu_kernels(logits) else reference).apply_token_bitmask(logits, bitmask, rows)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -148,3 +148,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """As `reference.copy_runs`, in one call split evenly over torch's threads."""
     torch.ops.kvtier_cpu.copy_runs(dsts, srcs)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """As `reference.apply_token_bitmask`, a row a thread, whole words at a time."""
+    torch.ops.kvtier_cpu.apply_token_bitmask(logits, bitmask.contiguous(), rows.long())

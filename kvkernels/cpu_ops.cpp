@@ -467,6 +467,51 @@ void copy_runs(at::TensorList dsts, at::TensorList srcs) {
   });
 }
 
+// Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (tokens
+// past the bitmask's width too). Words are tested whole first: grammar masks are mostly
+// runs of all-allowed or all-refused words, so a row costs about one pass over its words.
+template <typename T>
+void apply_token_bitmask_kernel(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  const int64_t vocab = logits.size(1), row_stride = logits.stride(0), words = bitmask.size(1);
+  const T refused = static_cast<T>(-std::numeric_limits<float>::infinity());
+  T* base = logits.data_ptr<T>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* row = base + row_ids[i] * row_stride;
+      const uint32_t* row_bits = bits + i * words;
+      for (int64_t w = 0; w < words && w * 32 < vocab; ++w) {
+        const uint32_t word = row_bits[w];
+        const int64_t first = w * 32, count = std::min<int64_t>(32, vocab - first);
+        T* out = row + first;
+        if (word == 0xFFFFFFFFu) continue;
+        if (word == 0) {
+          std::fill_n(out, count, refused);
+          continue;
+        }
+        for (int64_t b = 0; b < count; ++b) {  // a select, not a branch: mixed words are random
+          out[b] = ((word >> b) & 1u) ? out[b] : refused;
+        }
+      }
+      for (int64_t t = words * 32; t < vocab; ++t) row[t] = refused;
+    }
+  });
+}
+
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_cpu(logits, "logits");
+  check_cpu(bitmask, "bitmask");
+  check_cpu(rows, "rows");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [n, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "bitmask must be a contiguous int32 [rows, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "rows must be int64, one per bitmask row");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "apply_token_bitmask",
+                                  [&] { apply_token_bitmask_kernel<scalar_t>(logits, bitmask, rows); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvtier_cpu, m) {
@@ -475,6 +520,7 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("write_kv(Tensor(a!) kv_layer, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("copy_runs(Tensor(a!)[] dsts, Tensor[] srcs) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
@@ -482,4 +528,5 @@ TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("rms_norm", &rms_norm);
   m.impl("copy_runs", &copy_runs);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }

@@ -137,6 +137,18 @@ def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         dst.copy_(src)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set `logits[rows[i], t]` to -inf where bit t of `bitmask[i]` (int32 words, bit t of
+    word t // 32 is token t) is clear, and for tokens past the bitmask's width."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
     """Copy blocks `block_ids` of the block-major cache into `out` (record layout)."""
     torch.index_select(kv_cache, 0, block_ids, out=out)

@@ -182,3 +182,21 @@ def test_copy_runs_copies_every_byte_of_runs_across_thread_pieces(backend):
 def test_copy_runs_refuses_runs_of_different_sizes():
     with pytest.raises(RuntimeError, match="equal sizes"):
         cpu.copy_runs([torch.zeros(4)], [torch.zeros(5)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [96, 100, 130], ids=["whole-words", "short-last-word", "past-the-mask"])
+def test_token_bitmask_equals_the_reference(dtype, vocab):
+    """Whole words allowed, refused and mixed (the sign bit too), rows out of order."""
+    assert cpu.available()
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 4), dtype=torch.int32, generator=generator)
+    bitmask[0, 1], bitmask[1, 2], bitmask[2, 0] = 0, -1, -(2**31)
+    rows = torch.tensor([5, 0, 3, 2])
+    logits = torch.randn(6, vocab, generator=generator).to(dtype)
+    expected, got = logits.clone(), logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, rows)
+    cpu.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[1, 4]], logits[[1, 4]])  # rows without a mask are untouched
+    assert torch.isinf(got[5, 32:64]).all() and not torch.isinf(got[0, 64:96]).any()  # words 0 and -1
