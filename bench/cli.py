@@ -27,6 +27,7 @@ WORKLOADS = {
     "rag": ("bench.rag", "queries of k documents in varying order: only true prefixes hit; chunk size"),
     "rag-blend": ("bench.rag_blend", "documents in any order, blended: accuracy, KL and TTFT vs full prefill"),
     "agent-replay": ("bench.agent_replay", "agents whose growing contexts leave the device while they pause"),
+    "agent-tools": ("bench.agent_tools", "agents in the openai client's tool loop against kvtier serve, cache on/off"),
     "throughput": ("bench.throughput", "real-text prompts without reuse at concurrency 1/8/32/64 vs transformers"),
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),
     "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),

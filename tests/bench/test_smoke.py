@@ -135,6 +135,18 @@ def test_store_hits_pairs_every_store_with_the_device_hit(smoke_run) -> None:
     assert replay["disk, 2nd instance"]["disk"] > 0 and replay["redis, 2nd instance"]["redis"] > 0
 
 
+def test_agent_tools_turns_are_tool_calls_served_from_the_cache(smoke_run) -> None:
+    """Every turn of the tool loop made one valid call; with the cache on a second turn
+    finds the agent's first prompt cached, with it off nothing is."""
+    result = json.loads((smoke_run("agent-tools") / "agent-tools.json").read_text())
+    assert result["problems"] == []
+    on, off = (result["variants"][v]["records"] for v in ("cache on", "cache off"))
+    first = {r["agent"]: r["prompt_tokens"] for r in on if r["turn"] == 1}
+    assert all(r["cached_tokens"] >= first[r["agent"]] - 16 for r in on if r["turn"] == 2)
+    assert all(r["cached_tokens"] == 0 for r in off)
+    assert all(r["tool"] and json.loads(r["arguments"]) is not None for r in on + off)
+
+
 def test_store_result_has_each_tier_and_lz4_rows(smoke_run) -> None:
     result = json.loads((smoke_run("store") / "store.json").read_text())
     tiers = ["cpu", "disk", "redis"] if find_redis_server() else ["cpu", "disk"]
