@@ -81,7 +81,10 @@ def test_json_object_regex_choice_and_grammar(llm):
         constrained(grammar='start: "call " NAME "(" NUMBER ")"\nNAME: /[a-z]{1,5}/\nNUMBER: /[0-9]{1,3}/\n'),
     ], use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
-    assert isinstance(json.loads(texts[0]), dict)
+    # any object: its keys and strings are unbounded, a random model may write one until max_tokens
+    assert texts[0].startswith("{")
+    if outs[0].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(texts[0]), dict)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[1])
     assert texts[2] in {"red alert", "green", "blue"}
     assert re.fullmatch(r"call [a-z]{1,5}\([0-9]{1,3}\)", texts[3])
