@@ -86,12 +86,23 @@ class ToolCallParser:
 
     name = ""
     arguments_key = "arguments"
+    separator = ""  # between parallel calls
 
     def call_text(self, name: str, arguments: Any) -> str:
-        raise NotImplementedError
+        """One call as the model writes it (`arguments`: an object, or its JSON text)."""
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return self.wrap(f'{{"name": {json.dumps(name)}, "{self.arguments_key}": {args}}}')
+
+    def wrap(self, call_json: str) -> str:
+        """A call's JSON text as it stands in the output."""
+        return call_json
+
+    def call_rule(self, json_rule: str) -> str:
+        """The Lark rule of one call around its JSON rule, as `wrap` writes it."""
+        return json_rule
 
     def calls_rule(self, call_rule: str, parallel: bool) -> str:
-        raise NotImplementedError
+        return f'{call_rule} ({json.dumps(self.separator)} {call_rule})*' if parallel else call_rule
 
     def split(self, text: str) -> tuple[str, list[str]]:
         """The content of `text` outside calls, and each call's JSON text."""
@@ -115,9 +126,6 @@ class ToolCallParser:
             })
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return f"start: {self.calls_rule('call', parallel)}\ncall: {self.call_rule(lark_json(schema))}\n"
-
-    def call_rule(self, json_rule: str) -> str:
-        return json_rule
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content (None if blank) and the tool calls of a whole output. A block that is
@@ -157,18 +165,15 @@ class ToolCallParser:
 
 class HermesParser(ToolCallParser):
     name = "hermes"
+    separator = "\n"
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
-    def call_text(self, name: str, arguments: Any) -> str:
-        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return f'{self.open_tag}\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n{self.close_tag}'
+    def wrap(self, call_json: str) -> str:
+        return f"{self.open_tag}\n{call_json}\n{self.close_tag}"
 
     def call_rule(self, json_rule: str) -> str:
-        return f'"{self.open_tag}\\n" {json_rule} "\\n{self.close_tag}"'
-
-    def calls_rule(self, call_rule: str, parallel: bool) -> str:
-        return f'{call_rule} ("\\n" {call_rule})*' if parallel else call_rule
+        return f"{json.dumps(self.open_tag + chr(10))} {json_rule} {json.dumps(chr(10) + self.close_tag)}"
 
     def split(self, text: str) -> tuple[str, list[str]]:
         pattern = re.compile(re.escape(self.open_tag) + r"(.*?)(?:" + re.escape(self.close_tag) + r"|$)", re.DOTALL)
@@ -182,14 +187,8 @@ class HermesParser(ToolCallParser):
 class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     arguments_key = "parameters"
+    separator = "; "
     python_tag = "<|python_tag|>"
-
-    def call_text(self, name: str, arguments: Any) -> str:
-        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return f'{{"name": {json.dumps(name)}, "parameters": {args}}}'
-
-    def calls_rule(self, call_rule: str, parallel: bool) -> str:
-        return f'{call_rule} ("; " {call_rule})*' if parallel else call_rule
 
     def split(self, text: str) -> tuple[str, list[str]]:
         body = text.strip().removeprefix(self.python_tag).strip()
