@@ -216,6 +216,9 @@ def run_variant(args: argparse.Namespace, variant: str, agents: list[Agent]) -> 
                 records.append(take_turn(client, agent, turn, args.max_tokens))
                 echo(f"{variant}: agent {agent.index} turn {turn}: {records[-1].prompt_tokens} prompt tokens, "
                      f"{records[-1].cached_tokens} cached, TTFT {1000 * records[-1].ttft_s:.0f} ms")
+    except openai.APIConnectionError:
+        echo(f"{variant}: the server is gone (exit code {server.process.poll()}); its output:\n{server.output}")
+        raise
     finally:
         server.stop()
     return {"server_flags": flags, "records": [asdict(r) for r in records]}
