@@ -132,3 +132,30 @@ def test_tool_requests_that_cannot_be_served_are_400s(server, body, param):
         reply = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 8, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def template_server(request, model_path, tmp_path_factory):
+    """A server whose chat template takes tools (Qwen2.5-style for hermes, Llama-3.1-style
+    for llama3_json), with the matching --tool-call-parser."""
+    from tests.engine.tool_templates import LLAMA3_STYLE, QWEN_STYLE
+
+    template = tmp_path_factory.mktemp("templates") / f"{request.param}.jinja"
+    template.write_text(QWEN_STYLE if request.param == "hermes" else LLAMA3_STYLE)
+    process = ServerProcess("--model", model_path, "--dtype", "float32", "--num-kv-blocks", "512",
+                            "--max-model-len", "2048", "--served-model-name", MODEL_NAME,
+                            "--log-level", "warning", EAGER_OPS, "--chat-template", str(template),
+                            "--tool-call-parser", request.param)
+    yield process
+    process.stop()
+
+
+def test_a_template_that_takes_tools_serves_calls_in_its_parsers_format(template_server):
+    client = openai.OpenAI(base_url=template_server.url + "/v1", api_key="unused", max_retries=0)
+    with_tools = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "refund"}},
+        max_tokens=150, temperature=0)
+    check_calls(with_tools.choices[0].message.tool_calls, {"refund"})
+    without = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, temperature=0)
+    # the template rendered the tools: the prompt holds their schemas
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + len(json.dumps(TOOLS)) // 4
