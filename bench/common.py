@@ -66,11 +66,32 @@ def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None
     workload's (CI runs seconds, not minutes, and still goes through the store)."""
     parser.add_argument("--smoke", action="store_true",
                         help="Tiny sizes for CI: checks that it runs and reaches the store, nothing more.")
+    add_cost_epilog(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         for name, value in smoke_sizes.items():
             setattr(args, name, value)
     return args
+
+
+# What a run costs, measured with /usr/bin/time -v (wall, max RSS) on the 2-core VM the
+# benchmarks run on, busy with other jobs (load average about 6-7: times inflated); for
+# each workload's --help (issue 44, item 16). Full sizes: the last full run's, where known.
+COSTS: dict[str, str] = {}
+
+
+def add_cost_epilog(parser: argparse.ArgumentParser) -> None:
+    """Add the workload's line of COSTS (its name is the prog's last word) to its --help."""
+    cost = COSTS.get(parser.prog.split()[-1])
+    if cost:
+        parser.epilog = f"{parser.epilog}\n\n{cost}" if parser.epilog else cost
+
+
+def smoke_engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """Engine options of a --smoke run: eager ops (no torch.compile of the fused elementwise
+    chains, which costs about 30 s per process on the loaded 2-core VM, most of a smoke run
+    on the tiny model; the fused path has its own tests under tests/)."""
+    return {"fuse_elementwise": False} if getattr(args, "smoke", False) else {}
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:

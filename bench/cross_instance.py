@@ -10,7 +10,7 @@ import argparse
 import random
 
 from bench import plots
-from bench.common import markdown_table, parse_with_smoke, percentile
+from bench.common import markdown_table, parse_with_smoke, percentile, smoke_engine_options
 from bench.kv_common import delta, flush_redis, hit_tokens, local_redis, numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def instance(args: argparse.Namespace, model: str, redis_url: str) -> LLM:
     return LLM(model=model, dtype=args.dtype, kv_offload=args.tiers, kv_redis_url=redis_url,
-               kv_chunk_tokens=args.chunk_tokens, max_num_seqs=1)
+               kv_chunk_tokens=args.chunk_tokens, max_num_seqs=1, **smoke_engine_options(args))
 
 
 def timed_round(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict:

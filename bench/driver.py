@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from bench.common import add_dtype_arg, parse_with_smoke
+from bench.common import add_dtype_arg, parse_with_smoke, smoke_engine_options
 from bench.console import progress
 from bench.text_corpus import passage_tokens
 from engine import LLM, SamplingParams
@@ -130,7 +130,7 @@ def engine_options(args: argparse.Namespace, **overrides: object) -> dict[str, o
         "model": args.model, "dtype": args.dtype, "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed, "kv_offload_cpu_size": args.kv_offload_cpu_size,
-        "kv_chunk_tokens": args.kv_chunk_tokens,
+        "kv_chunk_tokens": args.kv_chunk_tokens, **smoke_engine_options(args),
     }
     options.update(overrides)
     return options

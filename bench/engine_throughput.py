@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import hf_baselines, plots
-from bench.common import markdown_table, median, parse_with_smoke
+from bench.common import markdown_table, median, parse_with_smoke, smoke_engine_options
 from bench.profiling import profile_call, profile_note, profile_tables
 from bench.server_process import ServerProcess
 from bench.summary import publish, run_stamp, workload_parser
@@ -206,7 +206,7 @@ def stream_gap(path: str, stream_prompt: str, args: argparse.Namespace) -> dict:
     gap of a streamed completion while a big text prompt is posted."""
     settings = ServerConfig()
     server = ServerProcess("--model", path, "--dtype", args.dtype, "--served-model-name", "bench",
-                           "--log-level", "warning")
+                           "--log-level", "warning", *(["--no-fuse-elementwise"] if args.smoke else []))
     # This process holds the bench's engine and transformers: a full collection of its
     # objects in the client threads would show up as gaps of the stream.
     gc.collect()
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     path = resolve_model(args.model)
-    llm = LLM(model=path, dtype=args.dtype)
+    llm = LLM(model=path, dtype=args.dtype, **smoke_engine_options(args))
     hf = hf_baselines.load_model(path, args.dtype)
     parts = Parts(llm, hf, CorpusTokens(llm.tokenizer), random.Random(args.seed))
     result = {**run_stamp(NAME, argv), "args": vars(args), "model": path}

@@ -12,7 +12,7 @@ import random
 import time
 
 from bench import plots
-from bench.common import markdown_table, parse_with_smoke, percentile
+from bench.common import markdown_table, parse_with_smoke, percentile, smoke_engine_options
 from bench.kv_common import numeric_stats, serve
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -54,7 +54,8 @@ def mode_llm(args: argparse.Namespace, model: str, options: dict) -> LLM:
     """An engine whose pool holds --capacity-fraction of what `concurrency` requests need."""
     need = args.concurrency * (args.prompt_len + args.output_len)
     return LLM(model=model, dtype=args.dtype, num_kv_blocks=math.ceil(need * args.capacity_fraction / 16),
-               max_num_seqs=args.concurrency, kv_chunk_tokens=args.chunk_tokens, **options)
+               max_num_seqs=args.concurrency, kv_chunk_tokens=args.chunk_tokens, **options,
+               **smoke_engine_options(args))
 
 
 def run(args: argparse.Namespace, model: str, options: dict, prompts: list[list[int]]) -> dict:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import plots
-from bench.common import markdown_table, median, percentile
+from bench.common import add_cost_epilog, markdown_table, median, percentile, smoke_engine_options
 from bench.kv_common import delta, numeric_stats
 from bench.profiling import profile_call, profile_note, profile_tables
 from bench.summary import publish, result_header, workload_parser
@@ -74,6 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Large enough for a whole prompt, so the full prefill is one step.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default).")
     p.add_argument("--smoke", action="store_true", help="Tiny sizes for CI: checks that it runs, nothing more.")
+    add_cost_epilog(p)
     args = p.parse_args(argv)
     if args.smoke:
         for name, value in SMOKE.items():
@@ -284,7 +285,8 @@ def score(tokenizer, answers: list[list[int]], qa: QASet) -> list[bool]:
 
 def engine_options(args: argparse.Namespace, **extra: object) -> dict[str, object]:
     return {"model": args.model, "dtype": args.dtype, "seed": args.seed, "num_kv_blocks": args.num_kv_blocks,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens, **extra}
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            **smoke_engine_options(args), **extra}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import json, sys, time
 started = time.perf_counter()
 from engine import LLM
 imported = time.perf_counter()
-llm = LLM(model=sys.argv[1], dtype=sys.argv[2], num_kv_blocks=64)
+llm = LLM(model=sys.argv[1], dtype=sys.argv[2], num_kv_blocks=64, fuse_elementwise=sys.argv[3] == "fused")
 built = time.perf_counter()
 print(json.dumps({"import_s": imported - started, "llm_s": built - imported}))
 """
@@ -42,9 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parse_with_smoke(p, argv, SMOKE)
 
 
-def start_once(model: str, dtype: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", _CHILD, model, dtype], capture_output=True, text=True,
-                         check=True, timeout=600)
+def start_once(model: str, dtype: str, fused: bool = True) -> dict[str, float]:
+    """One start; `fused`: with the fused elementwise chains compiled, as `kvtier serve` starts
+    (--smoke: eager, which leaves out the compile, about 30 s of a smoke run)."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, model, dtype, "fused" if fused else "eager"],
+                         capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
     for repeat in range(args.repeats):
         for way in WAYS if repeat % 2 == 0 else reversed(WAYS):
-            samples[way].append(start_once(models[way], args.dtype))
+            samples[way].append(start_once(models[way], args.dtype, fused=not args.smoke))
     result = {**run_stamp(NAME, argv), "args": vars(args), "models": models, "samples": samples,
               "summary": {way: {"llm_s": median([s["llm_s"] for s in runs]),
                                 "import_s": median([s["import_s"] for s in runs])}

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench import plots
-from bench.common import markdown_table, median, parse_with_smoke, percentile
+from bench.common import markdown_table, median, parse_with_smoke, percentile, smoke_engine_options
 from bench.kv_common import (
     delta,
     drop_page_cache,
@@ -134,7 +134,7 @@ class Engines:
     def add(self, name: str, pool: float | None = None, **options) -> None:
         blocks = pool_blocks(self.args, pool or self.args.pool_fraction)
         llm = LLM(model=self.model, dtype=self.args.dtype, num_kv_blocks=blocks, max_num_seqs=1,
-                  kv_chunk_tokens=self.args.chunk_tokens, **options)
+                  kv_chunk_tokens=self.args.chunk_tokens, **smoke_engine_options(self.args), **options)
         length = min(WARM_UP_TOKENS, self.args.doc_tokens)
         warm_up = [passage_tokens(llm.engine.tokenizer, length, seed=-i) for i in (1, 2)]
         serve(llm.engine, warm_up, SamplingParams(max_tokens=2, temperature=0.0), 1, tag="warm-up")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     model, _ = checkpoint(args)
-    probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16)
+    probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16, **smoke_engine_options(args))
     docs, questions = make_documents(probe, args)
     kv_bytes_per_token = probe.engine.block_bytes // 16
     probe.close()

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import plots
-from bench.common import markdown_table, median, parse_with_smoke
+from bench.common import markdown_table, median, parse_with_smoke, smoke_engine_options
 from bench.kv_common import STORE_CONFIGS, delta, local_redis, numeric_stats, serve, store_options
 from bench.profiling import profile_note, profile_requests, profile_tables
 from bench.summary import checkpoint, publish, run_stamp, workload_parser
@@ -77,7 +77,7 @@ def store_engine(args: argparse.Namespace, model: str, config: str, prompts: lis
     the first `concurrency` prompts. Yields the engine and the seconds that faulting in took."""
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as workdir, LLM(
             model=model, dtype=args.dtype, max_num_seqs=args.concurrency, kv_chunk_tokens=args.chunk_tokens,
-            **store_options(config, Path(workdir), redis_url),
+            **store_options(config, Path(workdir), redis_url), **smoke_engine_options(args),
             **({"kv_offload_cpu_size": args.kv_offload_cpu_size} if args.kv_offload_cpu_size else {})) as llm:
         start = time.perf_counter()
         llm.engine.connector.make_resident()
