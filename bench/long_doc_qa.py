@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 from bench import plots
-from bench.common import add_dtype_arg, markdown_table, parse_with_smoke, percentile
+from bench.common import (
+    add_dtype_arg,
+    markdown_table,
+    parse_with_smoke,
+    percentile,
+    smoke_engine_options,
+)
 from bench.kv_common import (
     STORE_CONFIGS,
     delta,
@@ -61,7 +67,7 @@ WARM_UP_TOKENS = 512
 MEMCPY_BYTES = 64 << 20
 
 
-SMOKE = {"num_docs": 4, "doc_tokens": 320, "question_tokens": 4, "max_tokens": 2, "chunk_tokens": 64,
+SMOKE = {"num_docs": 3, "doc_tokens": 192, "question_tokens": 4, "max_tokens": 2, "chunk_tokens": 64,
          "concurrency": [1, 2], "configs": ["none", "cpu", "disk"]}
 
 
@@ -117,7 +123,7 @@ def engine_options(args: argparse.Namespace, concurrency: int) -> dict:
     pool_tokens = max(args.num_docs * args.doc_tokens / args.capacity_ratio, concurrency * per_request)
     return {"dtype": args.dtype, "num_kv_blocks": math.ceil(pool_tokens / 16), "block_size": 16,
             "max_num_seqs": concurrency, "kv_chunk_tokens": args.chunk_tokens,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+            "max_num_batched_tokens": args.max_num_batched_tokens, **smoke_engine_options(args)}
 
 
 def reference_options(args: argparse.Namespace) -> dict:
@@ -133,9 +139,9 @@ def redis_urls(configs, redis_url: str | None) -> dict[str, str | None]:
     return {c: (f"{redis_url}/{users.index(c)}" if c in users else None) for c in configs}
 
 
-def warm_up(llm: LLM, seed: int) -> None:
+def warm_up(llm: LLM, seed: int, tokens: int = WARM_UP_TOKENS) -> None:
     """One untimed request first: the first forward of an engine pays one-off costs."""
-    prompt = passage_tokens(llm.engine.tokenizer, WARM_UP_TOKENS, seed=-seed - 1)
+    prompt = passage_tokens(llm.engine.tokenizer, tokens, seed=-seed - 1)
     serve(llm.engine, [prompt], SamplingParams(max_tokens=2, temperature=0.0), 1, tag="warm-up")
 
 
@@ -152,7 +158,7 @@ def run_paired(args, model: str, docs, questions, redis_url: str | None) -> dict
             options = store_options(config, workdir / config, urls[config])
             engines[config] = LLM(model=model, **engine_options(args, 1), **options)
         for llm in engines.values():
-            warm_up(llm, args.num_docs)
+            warm_up(llm, args.num_docs, min(WARM_UP_TOKENS, args.doc_tokens))
         rounds = {name: [] for name in engines}
         for index in range(len(ROUND_ORDERS)):
             for name, llm in engines.items():
@@ -195,7 +201,7 @@ def run_concurrent(args, model: str, config: str, concurrency: int, docs, questi
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rounds = []
     try:
-        warm_up(llm, args.num_docs)
+        warm_up(llm, args.num_docs, min(WARM_UP_TOKENS, args.doc_tokens))
         for index in range(len(ROUND_ORDERS)):
             if "disk" in STORE_CONFIGS[config]:
                 drop_page_cache(workdir / "disk")
@@ -274,7 +280,7 @@ FLOOR_TARGET, SPEEDUP_TARGET = 1.5, 10  # TTFT / floor at most; no-offload TTFT 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv or [])
     model = resolve_model(args.model)
-    probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16)
+    probe = LLM(model=model, dtype=args.dtype, num_kv_blocks=16, **smoke_engine_options(args))
     block_bytes = probe.engine.block_bytes
     docs, questions = make_docs(args, probe.engine.tokenizer)
     probe.close()
