@@ -74,10 +74,30 @@ def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None
     return args
 
 
-# What a run costs, measured with /usr/bin/time -v (wall, max RSS) on the 2-core VM the
-# benchmarks run on, busy with other jobs (load average about 6-7: times inflated); for
-# each workload's --help (issue 44, item 16). Full sizes: the last full run's, where known.
-COSTS: dict[str, str] = {}
+# What a run costs, for each workload's --help (issue 44, item 16): `kvtier bench WORKLOAD
+# --smoke` as tests/bench/test_smoke.py runs it, on the tiny checkpoint, timed with
+# /usr/bin/time -v (wall, max RSS) on the 2-core VM the benchmarks run on, shared with other
+# jobs and 1-2 other smoke runs (load average 6-8: times inflated, agent-replay took 40 s to
+# 2.4 min as the load varied; the imports alone took ~30 s). Full sizes: not timed here;
+# where docs/BENCHMARKS.md gives the timed part of the last full run, it is said.
+COSTS: dict[str, str] = {
+    "agent-replay": "--smoke: ~40 s to 2.4 min, 1.3 GiB max RSS (2-core VM, load average ~8); full size: not measured here; its 4 timed variants alone took ~1.7 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
+    "agent-tools": "--smoke: ~3.2 min, 2.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "chunked-prefill": "--smoke: ~82 s, 0.8 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "cross-instance": "--smoke: ~79 s, 2.9 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "engine": "--smoke: ~2.6 min, 2.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "long-doc-qa": "--smoke: under ~1.7 min (measured before its sizes shrank), 1.3 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "multi-round-qa": "--smoke: ~2.4 min, 1.3 GiB max RSS (2-core VM, load average ~8); full size: not measured here; its 3 timed variants alone took ~2.5 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
+    "preemption": "--smoke: ~86 s, 1.1 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "rag": "--smoke: ~94 s, 1.5 GiB max RSS (2-core VM, load average ~7); full size: not measured here; its 3 timed variants alone took ~2.4 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
+    "rag-blend": "--smoke: ~1.7 min, 1.0 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "startup": "--smoke: ~3.0 min, 1.3 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "store": "--smoke: ~31 s, 0.3 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "store-hits": "--smoke: ~84 s, 0.9 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "structured-outputs": "--smoke: ~3.0 min, 1.6 GiB max RSS (2-core VM, load average ~8); full size: not measured here",
+    "throughput": "--smoke: ~1.9 min, 1.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "zero-reuse": "--smoke: ~75 s, 1.9 GiB max RSS (2-core VM, load average ~6); full size: not measured here; its 5 passes of 2 runs of ~23 s took ~4 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
+}
 
 
 def add_cost_epilog(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@ and result tables write numbers (milliseconds) without exponents."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import WORKLOADS
-from bench.common import markdown_table
+from bench.common import COSTS, markdown_table
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,3 +34,16 @@ def test_tables_write_numbers_without_exponents(value, text):
     table = markdown_table(["ms"], [[value]])
     assert table.splitlines()[-1] == f"| {text} |"
     assert "e+" not in table and "e-" not in table
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_each_workload_help_says_what_its_smoke_and_full_size_cost(workload, capsys):
+    """Item 16: a workload's --help says the time and memory of its --smoke and full sizes."""
+    module = importlib.import_module(WORKLOADS[workload][0])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    cost = COSTS[workload]
+    assert cost.startswith("--smoke: ") and " GiB " in cost and "full size: " in cost
+    assert " ".join(cost.split()) in shown
