@@ -286,7 +286,7 @@ def test_a_record_removed_behind_the_index_is_recomputed(cache, tmp_path):
 def test_prefetch_pulls_queued_requests_records_into_the_cpu_tier(cache, tmp_path):
     connector = make_connector(cache, tmp_path, tiers="cpu,disk")
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
-    assert connector.flush(["cpu"]) == {"cpu": 3}
+    assert connector.flush(["cpu"]).result(timeout=60) == {"cpu": 3}
     queued = make_request("b", 21)
     connector.prefetch([queued])
     connector.prefetch([queued])  # once per request
@@ -361,10 +361,11 @@ def test_pin_unpin_flush_and_tier_stats(cache, tmp_path):
     connector = make_connector(cache, tmp_path, tiers="cpu,disk")
     request = make_request("a", 21)
     compute_and_save(connector, request, [0, 1, 2, 3, 4, 5])
-    assert connector.pin(request.block_hashes, ttl_s=60) == 2  # full records: a prefix's tail is its own
-    assert connector.flush(None) == {"cpu": 1, "disk": 1}
+    # full records: a prefix's tail is its own; (chunks pinned, chunks stored)
+    assert connector.pin(request.block_hashes, ttl_s=60) == (2, 2)
+    assert connector.flush(None).result(timeout=60) == {"cpu": 1, "disk": 1}
     assert connector.unpin(request.block_hashes) == 2
-    assert connector.flush(["cpu"]) == {"cpu": 2}
+    assert connector.flush(["cpu"]).result(timeout=60) == {"cpu": 2}
     tiers = connector.tier_stats()
     assert set(tiers) == {"cpu", "disk"}
     assert tiers["disk"]["healthy"] and tiers["disk"]["usage_bytes"] > 0

@@ -236,11 +236,12 @@ def test_admin_methods_pin_unpin_flush(tiny_llama, tmp_path):
     with LLM(model=tiny_llama, dtype="float32", kv_offload="cpu,disk", kv_chunk_tokens=CHUNK,
              kv_offload_disk_path=str(tmp_path / "kv")) as llm:
         engine = llm.engine
-        assert engine.kv_pin(prompt, ttl=30) == {"pinned_chunks": 3, "pinned_tokens": 3 * CHUNK}
+        pinned = engine.kv_pin(prompt, ttl=30)  # before anything is stored: pinned when saved
+        assert (pinned["pinned_chunks"], pinned["pinned_tokens"], pinned["stored_chunks"]) == (3, 3 * CHUNK, 0)
         generate(llm, [prompt], [2])
-        assert engine.kv_flush() == {"flushed_chunks": {"cpu": 0, "disk": 0}}
+        assert engine.kv_flush().result(timeout=60) == {"cpu": 0, "disk": 0}
         assert engine.kv_unpin(prompt) == {"unpinned_chunks": 3}
-        assert engine.kv_flush(["cpu"]) == {"flushed_chunks": {"cpu": 3}}
+        assert engine.kv_flush(["cpu"]).result(timeout=60) == {"cpu": 3}
         assert engine.kv_pin(prompt, cache_salt="other")["pinned_chunks"] == 3
         assert set(engine.kv_store_stats()) == {"cpu", "disk"}
     plain = LLM(model=tiny_llama, dtype="float32")

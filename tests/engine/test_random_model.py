@@ -83,7 +83,7 @@ def test_random_builtin_lost_race(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     final = tmp_path / "kvtier" / "models" / "builtin-llama-v1"
 
-    def racing_install(path: str, wheel: str | None) -> None:
+    def racing_install(path: str, wheel: str | None, progress: builtin_models.Progress) -> None:
         (final / "config.json").parent.mkdir(parents=True)
         (final / "config.json").write_text("{}")
         (tmp_path / "kvtier" / "models" / os.path.basename(path) / "x").write_text("partial")
