@@ -21,6 +21,7 @@ it wrote.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import copy
 import json
@@ -81,7 +82,7 @@ def template_takes_tools(chat_template: Any) -> bool:
     return isinstance(chat_template, str) and "tools" in chat_template
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """One tool-call output format: its grammar, its parsing, its default rendering."""
 
     name = ""
@@ -104,12 +105,13 @@ class ToolCallParser:
     def calls_rule(self, call_rule: str, parallel: bool) -> str:
         return f'{call_rule} ({json.dumps(self.separator)} {call_rule})*' if parallel else call_rule
 
+    @abc.abstractmethod
     def split(self, text: str) -> tuple[str, list[str]]:
         """The content of `text` outside calls, and each call's JSON text."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stream(self) -> ToolCallStream:
-        raise NotImplementedError
+        """A reader of this format's calls out of a streamed output."""
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar (llguidance's, with `%json`) of one call, or with `parallel` one or
@@ -224,7 +226,7 @@ def get_parser(name: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
-class ToolCallStream:
+class ToolCallStream(abc.ABC):
     """Reads calls out of a streamed output: `feed` takes the next text and returns the
     content that can be sent now and the calls completed; `finish` returns the rest."""
 
@@ -233,11 +235,13 @@ class ToolCallStream:
         self.text = ""
         self.sent = 0  # characters of `text` dealt with (sent as content, or parsed as calls)
 
+    @abc.abstractmethod
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """The content sendable now and the calls completed by `delta`."""
 
+    @abc.abstractmethod
     def finish(self) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """What is left once the output ended."""
 
 
 class HermesStream(ToolCallStream):
