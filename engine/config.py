@@ -301,6 +301,10 @@ class StoreOptions(Options):
         STORE_DEFAULT, "When disk records reach stable storage: none (the page cache decides), "
         "file (each record) or full (record and directory).",
         metavar="{" + ",".join(FSYNC_POLICIES) + "}", store="disk_fsync")
+    kv_offload_eviction: Literal["lru", "arc"] = option(
+        STORE_DEFAULT, "Which records the cpu and disk tiers evict first (vLLM's names): lru, the "
+        "least recently used; arc, Adaptive Replacement Cache, which keeps records hit more than "
+        "once apart from a stream of records seen once.", store="eviction")
     kv_redis_url: str | None = option(
         None, "Redis tier URL: redis://host:port, rediss://:password@host:port, "
         "redis+cluster://host:port,host:port, or unix:///path/to/redis.sock (a Redis on this host).",

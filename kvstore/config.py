@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import StoreConfigError
 from tiers.disk import FSYNC_POLICIES, DiskTier
 from tiers.errors import TierConfigError
+from tiers.eviction import EVICTION_POLICIES
 
 if TYPE_CHECKING:  # StoreConfig is checked before torch is imported (the CLI's bad flags)
     from kvstore.record import RecordCodec
@@ -49,6 +50,7 @@ class StoreConfig:
     disk_path: str | None = None
     disk_size: int = 32 * GiB
     disk_fsync: str = "none"
+    eviction: str = "lru"  # of the cpu and disk tiers (tiers.eviction)
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_key_prefix: str = "kvtier:"
@@ -74,6 +76,8 @@ class StoreConfig:
             raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4", "compress")
         if self.disk_fsync not in FSYNC_POLICIES:
             raise StoreConfigError(f"must be one of {', '.join(FSYNC_POLICIES)}", "disk_fsync")
+        if self.eviction not in EVICTION_POLICIES:
+            raise StoreConfigError(f"must be one of {', '.join(EVICTION_POLICIES)}", "eviction")
         positive = ("cpu_size", "staging_size", "disk_size", "lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s",
                     "redis_connect_timeout_s", "redis_probe_interval_s", "refresh_interval_s", "write_workers")
         for name in positive:
@@ -98,7 +102,7 @@ def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> Cpu
     retain = "cpu" in config.tiers
     size = config.cpu_size if retain else config.staging_size
     try:
-        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain)
+        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain, eviction=config.eviction)
     except TierConfigError as exc:
         raise StoreConfigError(str(exc), "cpu_size" if retain else "staging_size") from exc
 
@@ -111,7 +115,8 @@ def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) 
     builders = {
         # Below a cpu tier, the page cache would hold a second copy of what the cpu tier holds.
         "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,
-                                 head_bytes=codec.head_size, direct_io="cpu" in config.tiers),
+                                 head_bytes=codec.head_size, direct_io="cpu" in config.tiers,
+                                 eviction=config.eviction),
         "redis": lambda: RedisTier(
             config.redis_url,
             pins,

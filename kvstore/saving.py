@@ -176,7 +176,7 @@ class WriteBehind:
         with self._lock:
             while self._deferred and self._reserve_locked(self._deferred[0]):
                 write = self._deferred.popleft()
-                write.slot = self._parts.memory.acquire(write.key.name)
+                write.slot = self._parts.memory.acquire(write.key.name, hit=False)
                 if write.slot is None:
                     self._held_slots -= 1
                     self._pending -= self._nbytes(write)

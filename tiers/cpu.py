@@ -1,5 +1,6 @@
 """Host memory of the store: one slab of fixed-size record slots; with `retain` (the
-cpu tier) the committed slots are kept, in LRU order within the byte budget.
+cpu tier) the committed slots are kept within the byte budget, in the order of their
+eviction policy (tiers.eviction: lru or arc).
 
 The slab is allocated once (pinned when CUDA exists, so device copies can be
 asynchronous; cupy's pinned allocator when installed, because torch's caching host
@@ -11,7 +12,7 @@ layout (kvstore.record: header, payload, room for the MAC); the store decides th
 layout, this module only hands out slots and counts references.
 
 Slot life cycle: `reserve(name)` (the reserver holds a reference; the slot is not
-visible) -> `commit` (visible to `acquire`, kept in LRU order when retaining) ->
+visible) -> `commit` (visible to `acquire`, kept by the eviction policy when retaining) ->
 `release` by every holder. A slot is freed when nobody holds it and it is not retained
 (never committed, aborted, evicted, removed, or committed without `retain`). A held,
 reserved or pinned slot is never evicted. Every method takes one short lock and does no
@@ -33,7 +34,7 @@ import torch
 
 from tiers.base import Tier, Worker
 from tiers.errors import TierConfigError
-from tiers.lru import LruIndex
+from tiers.eviction import EvictionPolicy, make_policy
 from tiers.pins import PinTable
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class CpuTier(Tier):
         pins: PinTable | None = None,
         pin_memory: bool | None = None,
         retain: bool = True,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(pins)
         self.slot_bytes = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
@@ -128,6 +130,7 @@ class CpuTier(Tier):
                 f"cpu tier of {capacity_bytes} bytes cannot hold one {slot_bytes}-byte record"
             )
         self.retain = retain
+        self.eviction = eviction
         try:
             self.slab, self.allocation = allocate_host(self.num_slots * self.slot_bytes, pin_memory)
         except (RuntimeError, MemoryError) as exc:  # torch reports ENOMEM as a RuntimeError
@@ -137,7 +140,7 @@ class CpuTier(Tier):
         self._rows = self.slab.numpy().reshape(self.num_slots, self.slot_bytes)
         self._buffers: list[memoryview | None] = [None] * self.num_slots
         self._lock = threading.Lock()
-        self._index: LruIndex[int] = LruIndex()  # committed and retained: name -> slot
+        self._index: EvictionPolicy[int] = make_policy(eviction)  # committed and retained: name -> slot
         self._visible: dict[str, int] = {}  # committed, not retained, still held
         self._reserved: dict[str, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -259,8 +262,8 @@ class CpuTier(Tier):
         return self.slab[start : start + self.slot_bytes]
 
     def reserve(self, name: str) -> int:
-        """A free slot for writing `name`, evicting the least recently used unheld,
-        unpinned record if needed. ALREADY_PRESENT if `name` is committed or being
+        """A free slot for writing `name`, evicting the policy's first unheld, unpinned
+        record if needed. ALREADY_PRESENT if `name` is committed or being
         written, NO_ROOM if every slot is held, reserved or pinned."""
         with self._lock:
             if name in self._index or name in self._reserved or name in self._visible:
@@ -294,11 +297,11 @@ class CpuTier(Tier):
             self._slot_name[slot] = None
             self._unref_locked(slot)
 
-    def acquire(self, name: str) -> int | None:
-        """Hold `name`'s committed slot (it is not evicted until `release`); a hit makes it
-        the most recently used."""
+    def acquire(self, name: str, hit: bool = True) -> int | None:
+        """Hold `name`'s committed slot (it is not evicted until `release`). A `hit` (a
+        load, not the write-behind copying the record down) counts for the eviction policy."""
         with self._lock:
-            slot = self._index.get(name)
+            slot = self._index.get(name, touch=hit)
             if slot is None:
                 slot = self._visible.get(name)
             if slot is not None:
@@ -347,12 +350,12 @@ class CpuTier(Tier):
             self._free.append(slot)
 
     def _evict_one_locked(self) -> int | None:
-        victim = self._index.victim(
+        victim = next(self._index.candidates(
             lambda key, slot: self._refs[slot] == 0 and not self.pins.is_pinned(key)
-        )
+        ), None)
         if victim is None:
             return None
-        slot = self._index.pop(victim)
+        slot = self._index.evict(victim)
         self._slot_name[slot] = None
         self._removed.append(victim)
         self.counters.add(evictions=1)

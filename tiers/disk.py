@@ -9,7 +9,8 @@ or written by at most `io_jobs` thread jobs, each handling a group of records, w
 most `io_jobs` reads and `io_jobs` writes in flight per tier: reads (a request waits
 for them) run on the read threads (tiers.read_threads) and never queue behind writes.
 
-The in-memory index (key -> size, LRU order) is rebuilt from the directory at start
+The in-memory index (key -> size, in the order of its eviction policy, tiers.eviction)
+is rebuilt from the directory at start
 (oldest mtime first), reading the first `head_bytes` of every record so that the store
 can index its blocks; temporary files left by dead processes, or older than
 `stale_tmp_s`, are removed then. `scan()` hands the store what the rebuild found, then,
@@ -19,8 +20,8 @@ records. Membership (`holds`) is answered from memory, never with a stat().
 
 Space: the byte budget is `capacity_bytes` or, when less, what the tier holds plus the
 free space of the filesystem (statvfs, re-read at most every SPACE_CHECK_S), so the
-effective budget follows the free space. A write that fails with ENOSPC evicts the
-least recently used records to the budget measured again and is retried once; a full
+effective budget follows the free space. A write that fails with ENOSPC evicts
+records to the budget measured again and is retried once; a full
 filesystem is a lack of room (put_rejected), not a failure, so the tier stays healthy
 and writes resume by themselves when space comes back.
 
@@ -53,7 +54,7 @@ import aiofiles.os
 from tiers import direct_io
 from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key, split_evenly
 from tiers.errors import TierConfigError
-from tiers.lru import LruIndex
+from tiers.eviction import EvictionPolicy, make_policy
 from tiers.pins import PinTable
 from tiers.read_threads import in_read_thread
 
@@ -81,6 +82,7 @@ class DiskTier(RecordTier):
         stale_tmp_s: float = 600.0,
         head_bytes: int = 0,
         direct_io: bool = False,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(pins)
         if fsync not in FSYNC_POLICIES:
@@ -100,7 +102,8 @@ class DiskTier(RecordTier):
         self._capacity = capacity_bytes
         self._stale_tmp_s = stale_tmp_s
         self._lock = threading.Lock()
-        self._index: LruIndex[int] = LruIndex()
+        self.eviction = eviction
+        self._index: EvictionPolicy[int] = make_policy(eviction)
         self._shards: dict[str, set[str]] = {}  # shard directory -> record names in it
         self._shard_mtimes: dict[str, int] = {}
         self._usage = 0
@@ -148,7 +151,7 @@ class DiskTier(RecordTier):
                         found.append((info.st_mtime, key, info.st_size, self._read_head(entry.path)))
         found.sort()
         with self._lock:
-            self._index = LruIndex()
+            self._index = make_policy(self.eviction)
             self._shards = {}
             self._usage = 0
             for _, key, size, _ in found:
@@ -231,7 +234,7 @@ class DiskTier(RecordTier):
             room = self._make_room(size)
             if not room and todo:
                 # The budget is held by this batch's own writes in flight, which cannot be
-                # evicted yet: finish them, so that the newer records evict them (LRU).
+                # evicted yet: finish them, so that the newer records may evict them.
                 full += await self._write(todo, stored)
                 todo = []
                 room = self._make_room(size)
@@ -297,8 +300,8 @@ class DiskTier(RecordTier):
         return False
 
     def _make_room(self, size: int) -> bool:
-        """Make room for a new record of `size` bytes (evicting LRU files); False if it
-        cannot go in."""
+        """Make room for a new record of `size` bytes (evicting files); False if it cannot
+        go in."""
         victims = self._claim_room(size) if self.health.available() else None
         if victims is None:
             return False
@@ -318,22 +321,26 @@ class DiskTier(RecordTier):
         return True
 
     def _claim_room(self, size: int) -> list[str] | None:
-        """Reserve `size` bytes within the effective budget, choosing LRU unpinned
-        victims; None if impossible."""
+        """Reserve `size` bytes within the effective budget, evicting the policy's first
+        unpinned records; None (and nothing evicted) if impossible."""
         budget = self._budget()
-        victims: list[tuple[str, int]] = []
+        victims: list[str] = []
         with self._lock:
-            while self._usage + self._reserved + size > budget:
-                victim = self._index.victim(lambda key, _: not self.pins.is_pinned(key))
+            excess = self._usage + self._reserved + size - budget
+            candidates = self._index.candidates(lambda key, _: not self.pins.is_pinned(key))
+            while excess > 0:
+                victim = next(candidates, None)
                 if victim is None:
-                    for key, victim_size in reversed(victims):  # nothing is unlinked yet
-                        self._add_locked(key, victim_size, oldest=True)
                     return None
-                victims.append((victim, self._pop_locked(victim)))
+                victims.append(victim)
+                excess -= self._index.get(victim, touch=False) or 0
+            for victim in victims:
+                self._usage -= self._index.evict(victim)
+                self._unshard_locked(victim)
             self._reserved += size
-            self._removed.extend(key for key, _ in victims)
+            self._removed.extend(victims)
         self.counters.add(evictions=len(victims))
-        return [key for key, _ in victims]
+        return victims
 
     def _budget(self) -> int:
         """min(configured size, held + free - headroom), free space re-read at most
@@ -380,21 +387,21 @@ class DiskTier(RecordTier):
                 self._index.get(key)  # a hit: most recently used
         self.counters.add(bytes_read=size)
 
-    def _add_locked(self, key: str, size: int, oldest: bool = False) -> None:
-        if oldest:
-            self._index.add_oldest(key, size)
-        else:
-            self._index.add(key, size)
+    def _add_locked(self, key: str, size: int) -> None:
+        self._index.add(key, size)
         self._usage += size
         self._shards.setdefault(key[-2:], set()).add(key)
 
     def _pop_locked(self, key: str) -> int:
         size = self._index.pop(key) or 0
         self._usage -= size
+        self._unshard_locked(key)
+        return size
+
+    def _unshard_locked(self, key: str) -> None:
         names = self._shards.get(key[-2:])
         if names is not None:
             names.discard(key)
-        return size
 
     def _forget(self, key: str) -> None:
         with self._lock:
