@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
+from kvstore.index import IndexListener
+
 
 class KVStoreNotConfiguredError(RuntimeError):
     """A store operation (pin, unpin, flush, store stats) on an engine without --kv-offload."""
@@ -167,6 +169,11 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
         (a server calls it once at start, before it takes traffic)."""
         ...
 
+    def watch_blocks(self, listener: IndexListener) -> None:
+        """Tell `listener` of the records the store's tiers hold, and of every record they
+        gain and lose from now on."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -235,6 +242,9 @@ class NullConnector:
         raise KVStoreNotConfiguredError("no KV store is configured (--kv-offload)")
 
     def make_resident(self) -> None:
+        return None
+
+    def watch_blocks(self, listener: IndexListener) -> None:
         return None
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from connectors.planner import ChunkGeometry, Planner, StepMeta
 from connectors.stats import connector_stats, tier_view
 from connectors.worker import Worker
 from kvstore import ChunkSpec, StoreConfigError, TieredStore
+from kvstore.index import IndexListener
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ class KVStoreConnector:
 
     def make_resident(self) -> None:
         self.store.make_resident()
+
+    def watch_blocks(self, listener: IndexListener) -> None:
+        self.store.index.watch(listener)
 
     def close(self) -> None:
         """Finish the copies in flight and close the store (which writes out what is

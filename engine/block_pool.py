@@ -10,8 +10,9 @@ hash of a cached block it takes; freed blocks go to its tail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(eq=False)
@@ -81,6 +82,18 @@ class FreeBlockQueue:
         return out
 
 
+TokenRange = Callable[[int, int], list[int]]  # a sequence's tokens [start, end)
+
+
+class PrefixCacheListener(Protocol):
+    """Told when blocks enter and leave the prefix cache (the KV events of engine/kv_events)."""
+
+    def stored(self, block_hashes: Sequence[bytes], parent: bytes | None, first_block: int,
+               token_ids_between: TokenRange) -> None: ...
+
+    def removed(self, block_hashes: Sequence[bytes]) -> None: ...
+
+
 class BlockPool:
     """All device KV blocks, their reference counts and the prefix-cache map.
 
@@ -95,6 +108,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.listener: PrefixCacheListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,11 +129,16 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} are free")
         out = []
+        evicted = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
-            self._evict(block)
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.listener is not None:
+            self.listener.removed(evicted)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -140,15 +159,30 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes], start: int, end: int
+        self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes], start: int, end: int,
+        token_ids_between: TokenRange | None = None,
     ) -> None:
-        """Register blocks[start:end], whose KV is computed, under block_hashes[start:end]."""
+        """Register blocks[start:end], whose KV is computed, under block_hashes[start:end]
+        (`token_ids_between`: the sequence's tokens, for the listener)."""
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
+        run_start = None  # of the blocks cached by this call in a row, for the listener
+        for index in range(start, end):
+            block, block_hash = blocks[index], block_hashes[index]
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block
+                run_start = index if run_start is None else run_start
+            elif run_start is not None:
+                self._announce(block_hashes, run_start, index, token_ids_between)
+                run_start = None
+        if run_start is not None:
+            self._announce(block_hashes, run_start, end, token_ids_between)
+
+    def _announce(self, block_hashes: Sequence[bytes], start: int, end: int, tokens: TokenRange | None) -> None:
+        if self.listener is not None and tokens is not None:
+            parent = block_hashes[start - 1] if start else None
+            self.listener.stored(block_hashes[start:end], parent, start, tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
@@ -156,6 +190,8 @@ class BlockPool:
             return False
         for block in self.cached.values():
             block.block_hash = None
+        if self.cached and self.listener is not None:
+            self.listener.removed(list(self.cached))
         self.cached.clear()
         return True
 

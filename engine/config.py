@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from engine.cache_home import kvtier_cache_dir
+from engine.kv_events.config import KVEventsConfig, parse_kv_events_config
 from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
 from kvstore.errors import StoreConfigError
 from tiers.disk import FSYNC_POLICIES
@@ -359,6 +360,11 @@ class StoreOptions(Options):
         "--kv-offload-cpu-size SIZE.", metavar="GiB")
     kv_offloading_backend: Literal["native"] | None = option(
         None, "vLLM's spelling: native is kvtier's cpu tier (the same as --kv-offload cpu).")
+    kv_events_config: Annotated[KVEventsConfig | None, BeforeValidator(parse_kv_events_config)] = option(
+        None, "Publish KV cache events (vLLM's KVEventsConfig as JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\'): blocks stored in and removed from the device pool and each tier, '
+        "in vLLM's wire format (README, KV events).", metavar="JSON")
 
     def _check_store(self) -> None:
         if self.kv_offloading_size is not None or self.kv_offloading_backend is not None:

@@ -107,7 +107,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         table = self.req_to_blocks[request.request_id]
-        self.block_pool.cache_full_blocks(table, request.block_hashes, start, num_full)
+        self.block_pool.cache_full_blocks(table, request.block_hashes, start, num_full, request.token_ids_between)
         self.num_cached_blocks[request.request_id] = num_full
 
     def share_blocks(self, request: Request, blocks: list[KVBlock]) -> None:

@@ -24,6 +24,7 @@ from engine.config import ConfigError, EngineConfig, host_memory, resident_memor
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEventsEndpointError, start_kv_events
 from engine.kv_offload import build_connector
 from engine.kv_security import warn_if_shared_without_secret
 from engine.logprobs import PromptLogprobs, SampleLogprobs, logprob_entries, token_text_function
@@ -116,6 +117,14 @@ class LLMEngine:
             raise
         warn_if_shared_without_secret(self.config)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        try:
+            self.kv_events = start_kv_events(config.kv_events_config, config.block_size)
+        except KVEventsEndpointError as exc:
+            self.connector.close()
+            raise ConfigError("kv_events_config", str(exc)) from None
+        if self.kv_events is not None:
+            self.kv_cache_manager.block_pool.listener = self.kv_events.device
+            self.connector.watch_blocks(self.kv_events.tiers)
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
@@ -507,8 +516,11 @@ class LLMEngine:
         return self.connector.flush(tiers)
 
     def shutdown(self) -> None:
-        """Close the KV store: pending saves are written out (bounded wait)."""
+        """Close the KV store: pending saves are written out (bounded wait); then the KV
+        events publisher, after the last events."""
         self.connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -10,8 +10,9 @@ shared prefix is held by the records of every sequence that saved it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(eq=False, slots=True)
@@ -32,12 +33,25 @@ class BlockLocation:
     position: int  # of the block in the record
 
 
+class IndexListener(Protocol):
+    """Told of every change of what the index says is stored (the KV events of
+    engine/kv_events): the one place records are added and dropped."""
+
+    def stored(self, record: StoredRecord, tier: str | None) -> None:
+        """`tier` holds `record` (None: only more of its block hashes were learnt, or a
+        tier holds it that this process did not write to and must not announce)."""
+
+    def dropped(self, record: StoredRecord, tier: str) -> None:
+        """`tier` no longer holds `record`."""
+
+
 class BlockIndex:
     def __init__(self, tier_order: Sequence[str], blocks_per_chunk: int) -> None:
         self._rank = {name: rank for rank, name in enumerate(tier_order)}
         self.blocks_per_chunk = blocks_per_chunk
         self._records: dict[str, StoredRecord] = {}
         self._blocks: dict[bytes, list[StoredRecord]] = {}
+        self.listener: IndexListener | None = None
 
     def __len__(self) -> int:
         return len(self._records)
@@ -45,14 +59,28 @@ class BlockIndex:
     def get(self, name: str) -> StoredRecord | None:
         return self._records.get(name)
 
+    def records(self) -> Iterator[StoredRecord]:
+        return iter(self._records.values())
+
+    def watch(self, listener: IndexListener) -> None:
+        """Tell `listener` of every change from now on, and first of what is known
+        already (the tiers scanned at start) as stored."""
+        self.listener = listener
+        for record in self._records.values():
+            for tier in record.tiers:
+                listener.stored(record, tier)
+
     def best_tier(self, record: StoredRecord) -> str:
         return min(record.tiers, key=self._rank.__getitem__)
 
     def add(
-        self, name: str, first_block: int, block_hashes: Sequence[bytes | None], tier: str
+        self, name: str, first_block: int, block_hashes: Sequence[bytes | None], tier: str,
+        announce: bool = True,
     ) -> StoredRecord | None:
         """`tier` holds the record `name`; learn whichever of its block hashes are given.
-        A description that contradicts what is known of the name is ignored (None)."""
+        A description that contradicts what is known of the name is ignored (None).
+        `announce`: whether this process wrote or found the record itself (False for what
+        it learnt of another process's writes to a shared tier)."""
         if first_block % self.blocks_per_chunk or not 1 <= len(block_hashes) <= self.blocks_per_chunk:
             return None
         record = self._records.get(name)
@@ -65,6 +93,8 @@ class BlockIndex:
             if block_hash is not None and record.block_hashes[position] is None:
                 record.block_hashes[position] = block_hash
                 self._blocks.setdefault(block_hash, []).append(record)
+        if self.listener is not None:
+            self.listener.stored(record, tier if announce else None)
         return record
 
     def learn_block(self, block_hash: bytes, block: int, name: str, num_blocks: int, tier: str) -> None:
@@ -74,7 +104,7 @@ class BlockIndex:
             return
         hashes: list[bytes | None] = [None] * num_blocks
         hashes[block - first] = block_hash
-        self.add(name, first, hashes, tier)
+        self.add(name, first, hashes, tier, announce=False)
 
     def discard(self, names: Iterable[str], tier: str) -> None:
         """`tier` no longer holds these records; a record no tier holds is forgotten."""
@@ -82,6 +112,8 @@ class BlockIndex:
             record = self._records.get(name)
             if record is None:
                 continue
+            if tier in record.tiers and self.listener is not None:
+                self.listener.dropped(record, tier)
             record.tiers.discard(tier)
             if not record.tiers:
                 self._forget(record)

@@ -1,0 +1,228 @@
+"""KV events (--kv-events-config): a subscriber written against vLLM's schema (the structs
+below mirror vllm/distributed/kv_events.py, map-encoded events in an array batch) rebuilds
+exactly what the instance holds, per medium, from the stream alone: after evictions,
+preemptions, a flush and a restart; one that drops batches catches up through the
+replay endpoint. Real tiers (cpu memory, files, a real redis-server), real ZMQ sockets."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from offload_workloads import CHUNK, generate, random_prompts
+
+from engine import LLM
+from engine.config import ConfigError
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+MEDIUMS = {"cpu": "CPU", "disk": "DISK", "redis": "SHARED:REDIS"}
+POOL = {"dtype": "float32", "num_kv_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 4,
+        "kv_chunk_tokens": CHUNK}
+CHUNK_BYTES = CHUNK * 2 * 2 * 2 * 16 * 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def external(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+class Subscriber:
+    """A vLLM-style subscriber: SUB for the stream, DEALER for replays; `drop` names
+    sequence numbers to ignore when they first arrive (as if lost)."""
+
+    def __init__(self, endpoint: str, replay: str | None, drop: set[int] = frozenset()) -> None:
+        self.context = zmq.Context.instance()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.held: dict[str, set[int]] = {}
+        self.next_seq = 0
+        self.drop = set(drop)
+        self.replayed = 0
+
+    def catch_up(self, last_seq: int) -> None:
+        """Apply batches up to `last_seq`; what does not come (sent before the SUB socket
+        joined, or lost) is asked of the replay endpoint."""
+        while self.next_seq <= last_seq:
+            if not self.sub.poll(1000):
+                self._replay(self.next_seq)
+                continue
+            _topic, seq_bytes, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq in self.drop:
+                self.drop.discard(seq)
+                continue
+            if seq > self.next_seq:
+                self._replay(self.next_seq)
+            if seq == self.next_seq:
+                self._apply(payload)
+
+    def _replay(self, first: int) -> None:
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        while True:
+            assert dealer.poll(20_000), "the replay endpoint did not answer"
+            _, seq_bytes, payload = dealer.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq < 0:
+                break
+            if seq == self.next_seq:
+                self.replayed += 1
+                self._apply(payload)
+        dealer.close(linger=0)
+
+    def _apply(self, payload: bytes) -> None:
+        batch = self.decoder.decode(payload)
+        assert batch.data_parallel_rank == 0
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.held.clear()
+            elif isinstance(event, BlockStored):
+                assert event.block_size == 16
+                self.held.setdefault(event.medium, set()).update(event.block_hashes)
+            else:
+                self.held.get(event.medium, set()).difference_update(event.block_hashes)
+        self.next_seq += 1
+
+    def state(self) -> dict[str, set[int]]:
+        return {medium: hashes for medium, hashes in self.held.items() if hashes}
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+
+
+def events_config(pub: int, replay: int) -> dict:
+    return {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
+
+
+def settle(llm: LLM) -> int:
+    """Every write done and applied, every event sent: the last batch's number."""
+    engine = llm.engine
+    store = engine.connector.store
+    assert store.drain(timeout_s=60)
+    assert engine.kv_events.publisher.flush()
+    return engine.kv_events.publisher.last_seq
+
+
+def instance_state(llm: LLM) -> dict[str, set[int]]:
+    """What the instance holds, read from its device pool and its store's index."""
+    engine = llm.engine
+    state = {"GPU": {external(h) for h in engine.kv_cache_manager.block_pool.cached}}
+    for record in engine.connector.store.index.records():
+        for tier in record.tiers:
+            state.setdefault(MEDIUMS[tier], set()).update(external(h) for h in record.block_hashes if h)
+    return {medium: hashes for medium, hashes in state.items() if hashes}
+
+
+@pytest.mark.parametrize("tiers", ["cpu,disk", "cpu,disk,redis"])
+def test_a_subscriber_rebuilds_each_medium_exactly(tiny_llama, tmp_path, request, tiers):
+    pub, replay = free_port(), free_port()
+    options = {**POOL, "kv_offload": tiers, "kv_offload_disk_path": str(tmp_path / "disk"),
+               "kv_offload_cpu_size": f"{12 * CHUNK_BYTES}B", "kv_events_config": events_config(pub, replay)}
+    if "redis" in tiers:
+        options["kv_redis_url"] = request.getfixturevalue("redis_url")
+    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    prompts = random_prompts([150, 97, 260, 33, 81, 120, 200, 64], vocab_size=480, seed=3)
+    try:
+        with LLM(model=tiny_llama, **options) as llm:
+            generate(llm, prompts, [8] * len(prompts))  # more than the pool and the cpu tier hold
+            stats = llm.stats()
+            assert stats["num_preemptions_total"] > 0 and stats["kv_tiers"]["cpu"]["evictions"] > 0
+            subscriber.catch_up(settle(llm))
+            state = instance_state(llm)
+            assert {"GPU", "CPU", "DISK"} <= set(state)
+            assert subscriber.state() == state
+
+            assert llm.engine.kv_flush(["cpu"]).result(timeout=60)["cpu"] > 0
+            generate(llm, prompts[:2], [4, 4])
+            subscriber.catch_up(settle(llm))
+            assert subscriber.state() == instance_state(llm)
+    finally:
+        subscriber.close()
+
+
+def test_a_restart_clears_then_announces_the_rebuilt_disk_index(tiny_llama, tmp_path):
+    options = {**POOL, "kv_offload": "disk", "kv_offload_disk_path": str(tmp_path / "disk")}
+    prompts = random_prompts([130, 90], vocab_size=480, seed=5)
+    with LLM(model=tiny_llama, **options) as llm:
+        generate(llm, prompts, [4, 4])
+    pub, replay = free_port(), free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    subscriber.held["DISK"] = {1, 2, 3}  # what an earlier run announced, gone with it
+    try:
+        with LLM(model=tiny_llama, **options, kv_events_config=events_config(pub, replay)) as llm:
+            subscriber.catch_up(settle(llm))
+            state = instance_state(llm)
+            assert len(state["DISK"]) == (128 + 80) // 16
+            assert subscriber.state() == state
+    finally:
+        subscriber.close()
+
+
+def test_a_subscriber_that_misses_batches_catches_up_by_replay(tiny_llama, tmp_path):
+    pub, replay = free_port(), free_port()
+    options = {**POOL, "kv_offload": "cpu", "kv_offload_cpu_size": f"{12 * CHUNK_BYTES}B",
+               "kv_events_config": events_config(pub, replay)}
+    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", drop={1, 2, 5})
+    try:
+        with LLM(model=tiny_llama, **options) as llm:
+            for prompt in random_prompts([150, 97, 260, 33, 81], vocab_size=480, seed=7):
+                generate(llm, [prompt], [3])
+                llm.engine.kv_events.publisher.flush()  # one batch at least per request
+            subscriber.catch_up(settle(llm))
+            assert subscriber.replayed >= 3
+            assert subscriber.state() == instance_state(llm)
+    finally:
+        subscriber.close()
+
+
+def test_bad_kv_events_config_names_the_flag_and_key(tiny_llama):
+    with pytest.raises(ConfigError, match=r"kv_events_config: publisher: "):
+        LLM(model=tiny_llama, kv_events_config='{"enable_kv_cache_events": true, "publisher": "kafka"}')
+    with pytest.raises(ConfigError, match=r"kv_events_config: .*endpoint"):
+        LLM(model=tiny_llama, kv_events_config={"enable_kv_cache_events": True, "endpoint": "tcp://*:notaport"})
