@@ -11,9 +11,16 @@ agents take their turns round-robin, one request at a time, so each turn extends
 agent's previous prompt while the other agents' turns ran in between, and TTFT measures
 the work of the turn, not a queue.
 
+The default shape is a long-running agent: a long system prompt and tool list (~1,500
+tokens at turn 1) and short steps (a call and a 100-140-token tool output each), over 27
+turns, so that the history grows 4x. It is the shape the targets need: a turn's new
+tokens must be at most a tenth of its prompt from turn 3 on, and the history must grow
+4x after that.
+
 Two servers of the same model run one after the other: "cache on" (prefix caching and
 a small cpu offload tier) and "cache off" (--no-enable-prefix-caching, no offload). Per
-turn: TTFT (request sent to the first streamed chunk after the role head), prompt
+turn: TTFT (request sent to the first streamed piece of the call, which carries its
+name; the grammar's fixed text before it takes a few decode steps), prompt
 tokens and the cached ones (`usage.prompt_tokens_details.cached_tokens`). A turn can
 reuse at most what the server saw before (the previous turn's prompt and call): the
 rest, the call as rendered and the new tool output, is new, so the cached share of a
@@ -82,12 +89,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:smollm2", help="What `kvtier serve --model` serves.")
     add_dtype_arg(p)
-    p.add_argument("--agents", type=int, default=3)
-    p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--system-prompt-len", type=int, default=300,
+    p.add_argument("--agents", type=int, default=2)
+    p.add_argument("--turns", type=int, default=27)
+    p.add_argument("--system-prompt-len", type=int, default=900,
                    help="Tokens of the shared system prompt, before the tools' descriptions.")
-    p.add_argument("--task-len", type=int, default=400, help="Tokens of each agent's task.")
-    p.add_argument("--tool-output", type=int, nargs=2, default=[400, 500], metavar=("MIN", "MAX"),
+    p.add_argument("--task-len", type=int, default=200, help="Tokens of each agent's task.")
+    p.add_argument("--tool-output", type=int, nargs=2, default=[100, 140], metavar=("MIN", "MAX"),
                    help="Tokens of a tool output (uniform).")
     p.add_argument("--max-tokens", type=int, default=96, help="max_tokens of a turn (its tool call).")
     p.add_argument("--max-model-len", type=int, default=None, help="The servers' --max-model-len.")

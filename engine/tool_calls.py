@@ -226,86 +226,133 @@ def get_parser(name: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
+@dataclass
+class CallDelta:
+    """A piece of a streamed call, as OpenAI streams them: the first piece of call `index`
+    carries its id and name, the ones after it more of its arguments' JSON text."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+
 class ToolCallStream(abc.ABC):
     """Reads calls out of a streamed output: `feed` takes the next text and returns the
-    content that can be sent now and the calls completed; `finish` returns the rest."""
+    content that can be sent now and the pieces of calls that can; `finish` returns the rest."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
         self.text = ""
-        self.sent = 0  # characters of `text` dealt with (sent as content, or parsed as calls)
+        self.sent = 0  # characters of `text` dealt with (sent as content, or read as calls)
+        self.calls = 0  # calls begun
 
     @abc.abstractmethod
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """The content sendable now and the calls completed by `delta`."""
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """The content sendable now and the pieces of calls that `delta` made sendable."""
 
     @abc.abstractmethod
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left once the output ended."""
+
+    def _begin(self, name: str, arguments: str = "") -> CallDelta:
+        """The first piece of a new call."""
+        self.calls += 1
+        return CallDelta(self.calls - 1, arguments, name=name, id=ToolCall(name, arguments).id)
+
+    def _whole(self, calls: list[ToolCall]) -> list[CallDelta]:
+        return [self._begin(call.name, call.arguments) for call in calls]
 
 
 class HermesStream(ToolCallStream):
     """Content streams until a `<tool_call>` opens (text that could be the start of the tag
-    is held back); each call is sent once its closing tag arrives."""
+    is held back). A call that opens with its name, `{"name": ..., "arguments": {`, is
+    sent as it is written: its name first, then its arguments' text, holding back the
+    closing braces and blanks that may be the end of the call's own object. A call written
+    in another shape is parsed and sent whole once its closing tag arrives."""
 
     def __init__(self, parser: HermesParser) -> None:
         super().__init__(parser)
         self.open_tag, self.close_tag = parser.open_tag, parser.close_tag
+        self.header = re.compile(
+            r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + re.escape(parser.arguments_key) + r'"\s*:\s*(?=\{)')
         self.in_call = False
-        self.made_calls = False
+        self.arguments_at: int | None = None  # where the open call's arguments begin, once its name is sent
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        content, calls = self._feed(delta)
-        return self._content(content, calls), calls
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest = self.text[self.sent:]
-        self.sent = len(self.text)
-        content, calls = self._call(rest) if self.in_call else (rest, [])  # a call left open: the model stopped
-        return self._content(content, calls), calls
-
-    def _content(self, content: str, calls: list[ToolCall]) -> str:
-        """Blank text around calls is no content (OpenAI sends none beside calls)."""
-        self.made_calls = self.made_calls or bool(calls)
-        return "" if self.made_calls and not content.strip() else content
-
-    def _feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
         self.text += delta
         content, calls = "", []
         while True:
             if self.in_call:
                 end = self.text.find(self.close_tag, self.sent)
+                limit = end if end >= 0 else len(self.text) - _partial_suffix(self.text, self.close_tag, self.sent)
+                not_a_call, pieces = self._stream_call(limit, closed=end >= 0)
+                content, calls = content + not_a_call, calls + pieces
                 if end < 0:
-                    return content, calls
-                call_content, call = self._call(self.text[self.sent:end])
-                content += call_content
-                calls += call
+                    return self._content(content), calls
                 self.sent, self.in_call = end + len(self.close_tag), False
                 continue
             start = self.text.find(self.open_tag, self.sent)
             if start >= 0:
                 content += self.text[self.sent:start]
-                self.sent, self.in_call = start + len(self.open_tag), True
+                self.sent, self.in_call, self.arguments_at = start + len(self.open_tag), True, None
                 continue
             keep = _partial_suffix(self.text, self.open_tag, self.sent)
             content += self.text[self.sent:len(self.text) - keep]
             self.sent = len(self.text) - keep
-            return content, calls
+            return self._content(content), calls
 
-    def _call(self, block: str) -> tuple[str, list[ToolCall]]:
-        call = self.parser.parse_call(block.strip())
-        return ("", [call]) if call is not None else (self.open_tag + block, [])
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if not self.in_call:  # held back: the start of a tag that never came
+            content, self.sent = self.text[self.sent:], len(self.text)
+            return self._content(content), []
+        not_a_call, calls = self._stream_call(len(self.text), closed=True)  # a call left open: the model stopped
+        self.sent, self.in_call = len(self.text), False
+        return self._content(not_a_call), calls
+
+    def _stream_call(self, limit: int, closed: bool) -> tuple[str, list[CallDelta]]:
+        """The pieces of the open call (its block runs from `self.sent`) sendable with the
+        text up to `limit` (`closed`: the block ends there), and, for a closed block that
+        is no call after all, the block as content."""
+        pieces = []
+        if self.arguments_at is None:
+            match = self.header.match(self.text, self.sent, limit)
+            if match is None:
+                if closed:
+                    block = self.text[self.sent:limit]
+                    call = self.parser.parse_call(block.strip())
+                    return ("", self._whole([call])) if call else (self.open_tag + block, [])
+                return "", []
+            pieces.append(self._begin(json.loads(match.group(1))))
+            self.arguments_at = self.arguments_sent = match.end()
+        # Closed: drop the brace that ends the call's own object; open: hold back every
+        # brace and blank at the end, any of which may be it.
+        arguments = self.text[self.arguments_at:limit].rstrip()
+        arguments = arguments.removesuffix("}").rstrip() if closed else arguments.rstrip("} \t\r\n")
+        end = self.arguments_at + len(arguments)
+        if end > self.arguments_sent:
+            more = self.text[self.arguments_sent:end]
+            if pieces:  # the call began in this text: one piece with its name and arguments
+                pieces[0].arguments += more
+            else:
+                pieces.append(CallDelta(self.calls - 1, more))
+            self.arguments_sent = end
+        return "", pieces
+
+    def _content(self, content: str) -> str:
+        """Blank text around calls is no content (OpenAI sends none beside calls)."""
+        return "" if self.calls and not content.strip() else content
 
 
 class Llama3JsonStream(ToolCallStream):
-    """An output that starts (after blanks) with `{` or the python tag is calls, parsed at
-    its end; any other output is content, streamed as it comes."""
+    """An output that starts (after blanks) with `{` or the python tag is calls, parsed and
+    sent whole at its end; any other output is content, streamed as it comes."""
 
     def __init__(self, parser: Llama3JsonParser) -> None:
         super().__init__(parser)
         self.mode: str | None = None  # "content" or "calls", once the first character decides
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
         self.text += delta
         if self.mode is None:
             head = self.text.lstrip()
@@ -317,13 +364,13 @@ class Llama3JsonStream(ToolCallStream):
         content, self.sent = self.text[self.sent:], len(self.text)
         return content, []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         rest = self.text[self.sent:]
         self.sent = len(self.text)
         if self.mode != "calls":
             return rest, []
         content, calls = self.parser.parse(rest)
-        return content or "", calls
+        return content or "", self._whole(calls)
 
 
 def _partial_suffix(text: str, tag: str, start: int) -> int:

@@ -457,14 +457,23 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, with `prompt_logprobs`
 
 
-class DeltaFunctionCall(BaseModel):
+class SparseDelta(BaseModel):
+    """A streamed piece that carries only what changed, as OpenAI sends it: unset fields
+    are left out rather than sent as null."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(SparseDelta):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
-    """A streamed tool call: the first delta of call `index` carries its id, type and name;
-    this server sends each call whole, in one delta."""
+class DeltaToolCall(SparseDelta):
+    """A piece of streamed tool call `index`: its first piece carries its id, type and name
+    (and arguments ""), the pieces after it more of the arguments' JSON text."""
 
     index: int
     id: str | None = None
@@ -472,15 +481,10 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(SparseDelta):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A delta carries only what changed, as OpenAI sends it."""
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -296,7 +296,6 @@ class ChatFormat:
         self._token_text = token_text
         self._tool_parser = tool_parser
         self._tool_streams: dict[int, ToolCallStream] = {}
-        self._calls_sent: dict[int, int] = defaultdict(int)
 
     def head_chunks(self) -> list[BaseModel]:
         return [
@@ -310,19 +309,17 @@ class ChatFormat:
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
             return self._chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs, finish_reason=finish)])
         stream = self._tool_streams.setdefault(index, self._tool_parser.stream())
-        text, calls = stream.feed(delta.text)
+        text, pieces = stream.feed(delta.text)
         if finish is not None:
             rest, more = stream.finish()
-            text, calls = text + rest, calls + more
-        first = self._calls_sent[index]
-        self._calls_sent[index] += len(calls)
+            text, pieces = text + rest, pieces + more
         tool_deltas = [
-            DeltaToolCall(index=first + i, id=call.id, type="function",
-                          function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
-            for i, call in enumerate(calls)
+            DeltaToolCall(index=piece.index, id=piece.id, type="function" if piece.id else None,
+                          function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+            for piece in pieces
         ]
         message = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
-        finish = _tool_finish(finish, self._calls_sent[index] > 0)
+        finish = _tool_finish(finish, stream.calls > 0)
         return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:

@@ -64,23 +64,60 @@ def test_llama3_json_parses_one_or_several_calls_and_leaves_prose_alone():
     assert parser.parse("The answer is 3.") == ("The answer is 3.", [])
 
 
+def assembled(pieces):
+    """Streamed call pieces put together as the openai client does: by index, the name from
+    the first piece, the arguments' text concatenated."""
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        call = calls.setdefault(piece.index, {"name": piece.name, "id": piece.id, "arguments": ""})
+        assert piece.id is None or call["id"] == piece.id  # only a call's first piece carries its id
+        call["arguments"] += piece.arguments
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+def streamed(parser, text, piece):
+    stream, content, pieces = parser.stream(), "", []
+    for start in range(0, len(text), piece):
+        more, new = stream.feed(text[start:start + piece])
+        content, pieces = content + more, pieces + new
+    more, new = stream.finish()
+    return content + more, pieces + new
+
+
 @pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()], ids=lambda p: p.name)
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_a_streamed_output_gives_the_content_and_calls_of_the_whole(parser, piece):
-    calls_text = parser.call_text("add", {"a": 1, "b": 2}) + ("\n" if parser.name == "hermes" else "; ") \
-        + parser.call_text("get_weather", {"city": "Oslo"})
+    calls_text = parser.call_text("add", {"a": 1, "b": {"c": [2, "}"]}}) + \
+        ("\n" if parser.name == "hermes" else "; ") + parser.call_text("get_weather", {"city": "Oslo"})
     for text in ("Plain answer < with a < sign.", calls_text, "Checking <tool_c first. " + calls_text):
         if parser.name == "llama3_json" and text.startswith("Checking"):
             continue  # llama3_json reads calls only from an output that starts with them
-        stream, content, calls = parser.stream(), "", []
-        for start in range(0, len(text), piece):
-            more, new = stream.feed(text[start:start + piece])
-            content, calls = content + more, calls + new
-        more, new = stream.finish()
-        content, calls = content + more, calls + new
+        content, pieces = streamed(parser, text, piece)
         whole_content, whole_calls = parser.parse(text)
         assert content.strip() == (whole_content or "")
-        assert calls_of(calls) == calls_of(whole_calls)
+        assert assembled(pieces) == calls_of(whole_calls)
+
+
+def test_hermes_streams_a_call_as_it_is_written():
+    """The name goes out as soon as it is known, the arguments as they grow; the braces
+    that may close the call's own object are held back until the call ends."""
+    stream = HermesParser().stream()
+    assert stream.feed('<tool_call>\n{"name": "add", "argu') == ("", [])
+    (first,) = stream.feed('ments": {"a": 1')[1]
+    assert (first.index, first.name, first.arguments) == (0, "add", '{"a": 1') and first.id
+    assert stream.feed(', "b": {"c": 2}}')[1][0].arguments == ', "b": {"c": 2'
+    assert stream.feed("}\n</tool_")[1] == []
+    (last,) = stream.feed("call>")[1]
+    assert (last.index, last.name, last.id, last.arguments) == (0, None, None, "}}")
+
+
+def test_hermes_stream_sends_a_call_of_another_shape_whole_at_its_end():
+    stream = HermesParser().stream()
+    assert stream.feed('<tool_call>\n{"arguments": {"a": 1}, "name": "add"}') == ("", [])
+    (call,) = stream.feed("\n</tool_call>")[1]
+    assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1}) and call.id
+    text, pieces = streamed(HermesParser(), "<tool_call>\nnot json</tool_call>", 4)
+    assert (text, pieces) == ("<tool_call>\nnot json", [])
 
 
 def test_hermes_stream_holds_back_what_may_open_a_call():

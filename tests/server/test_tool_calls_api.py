@@ -79,15 +79,19 @@ def test_streamed_calls_assemble_into_the_calls_of_the_whole_answer(client):
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
+    pieces = 0
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             assert not choice.delta.content
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                assert (delta.id is not None) == (delta.function.name is not None) == (call["name"] == "")
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                pieces += 1
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
+    assert pieces > len(calls)  # the arguments streamed as they were written, not in one piece
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole]
 
