@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from engine.cache_home import kvtier_cache_dir
+from engine.cpu_threads import check_bind_value
 from engine.kv_events.config import KVEventsConfig, parse_kv_events_config
 from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
 from kvstore.errors import StoreConfigError
@@ -233,6 +234,12 @@ class ModelOptions(Options):
         "for a declared bfloat16 or float16.")
     device: Annotated[str, AfterValidator(_device)] = option(
         "auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
+    cpu_threads_bind: Annotated[str, AfterValidator(check_bind_value)] = option(
+        "auto", "The engine's intra-op (OpenMP) threads on CPU: auto, one per physical core the "
+        "process may use (its affinity mask, capped by its cgroup's CPU quota: 1.5 CPUs run 1 "
+        "thread), each bound to its core unless a quota leaves fractions of CPUs; none, the same "
+        "count unbound; or a CPU list (0-3,8), one thread bound to each CPU listed.",
+        metavar="auto|none|CPUS")
     # bounded to torch.manual_seed's range
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] = option(
         0, "Seed for weight-independent randomness (sampling without a per-request seed).")

@@ -21,6 +21,7 @@ import kvkernels
 from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig, host_memory, resident_memory
+from engine.cpu_threads import bind_threads, plan_for_this_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
 from engine.kv_cache_manager import KVCacheManager
@@ -85,6 +86,9 @@ class LLMEngine:
         (KVConnector.make_resident; a server asks for it), on a thread of its own while
         the weights are packed and the fused ops compiled."""
         self.device = resolve_device(config.device)
+        self.thread_plan = plan_for_this_process(config.cpu_threads_bind) if self.device.type == "cpu" else None
+        if self.thread_plan is not None:
+            torch.set_num_threads(self.thread_plan.num_threads)  # bound below, once compiled
         torch.manual_seed(config.seed)
         kvkernels.set_backend(config.attention_backend)
         model_path = resolve_model(config.model)
@@ -116,6 +120,9 @@ class LLMEngine:
             self.connector.close()
             raise
         warn_if_shared_without_secret(self.config)
+        if self.thread_plan is not None:
+            bind_threads(self.thread_plan)
+            logger.info("%s", self.thread_plan.summary())
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         try:
             self.kv_events = start_kv_events(config.kv_events_config, config.block_size)
