@@ -1,4 +1,4 @@
-"""The `kvtier` command: serve | generate | download-model | make-model, and the commands
+"""The `kvtier` command: serve | generate | router | download-model | make-model, and the commands
 of installed plugins (the `kvtier.commands` entry points: `bench`, from bench/)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _START_SIGNALS = StartSignals() if StartSignals.is_command(__name__) else None
 
 from engine import __version__  # noqa: E402
 from engine.arg_utils import add_config_arguments, config_from_args, load_options  # noqa: E402
-from engine.config import ConfigError, EngineConfig, ServerConfig, check_host_budgets  # noqa: E402
+from engine.config import ConfigError, EngineConfig, RouterConfig, ServerConfig, check_host_budgets  # noqa: E402
 
 # Nothing here imports torch (engine.builtin_models and engine.models do): every option is
 # checked, and a bad one reported, before any heavy import.
@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Complete each prompt as raw text. By default a model with a chat "
                      "template gets each prompt as a user message.")
     add_config_arguments(gen, EngineConfig)
+
+    route = commands.add_parser(
+        "router", help="OpenAI-compatible front over several `kvtier serve` instances, routing by their KV.",
+        usage="kvtier router --worker-urls URL [URL ...] [options]")
+    add_config_arguments(route, RouterConfig)
 
 
     download = commands.add_parser(
@@ -196,6 +201,13 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config, settings, on_ready=args.start_signals.ready)
 
 
+def _router(args: argparse.Namespace) -> int:
+    (config,) = load_options(args, RouterConfig)
+    from engine.router.app import serve_router
+
+    return serve_router(config)
+
+
 def _download_model(args: argparse.Namespace) -> int:
     from engine.builtin_models import install_builtin
 
@@ -217,7 +229,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
-    "serve": _serve, "generate": _generate,
+    "serve": _serve, "generate": _generate, "router": _router,
     "download-model": _download_model, "make-model": _make_model,
 }
 

@@ -494,16 +494,21 @@ class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions, VllmOptions):
         return "offload" if "cpu" in self.kv_offload else "recompute"
 
 
-class ServerConfig(Options):
-    """The HTTP server's options of `kvtier serve`."""
-
-    title: ClassVar[str] = "server options"
+class ListenOptions(Options):
+    """Where an HTTP server of kvtier listens (`kvtier serve`, `kvtier router`)."""
 
     host: str = option(
         "127.0.0.1", "Address to bind. The default serves this machine only; use 0.0.0.0 to serve "
         "the network.", metavar="HOST")
     port: Annotated[int, Field(ge=0, le=65535)] = option(
         8000, "TCP port; 0 picks a free one, printed at startup.", metavar="PORT")
+
+
+class ServerConfig(ListenOptions):
+    """The HTTP server's options of `kvtier serve`."""
+
+    title: ClassVar[str] = "server options"
+
     served_model_name: Names = option(
         (), "Model name(s) clients put in the `model` field: /v1/models lists them all, requests "
         "may use any, responses report the first (default: the MODEL value, or builtin:smollm2). "
@@ -675,6 +680,38 @@ def resident_memory() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+ROUTER_POLICIES = ("kv", "round-robin", "least-load", "session")
+
+
+def _worker_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
+    for url in urls:
+        if not re.fullmatch(r"https?://[^/\s]+/?", url):
+            raise ValueError(f"{url!r} is not an instance's base URL such as http://127.0.0.1:8001")
+    return tuple(url.rstrip("/") for url in urls)
+
+
+class RouterConfig(ListenOptions):
+    """The options of `kvtier router`, an OpenAI-compatible front over several instances."""
+
+    title: ClassVar[str] = "router options"
+
+    worker_urls: Annotated[Names, AfterValidator(_worker_urls)] = option(
+        (), "Base URLs of the `kvtier serve` instances to route to (http://host:port ...).", metavar="URL")
+    policy: Literal["kv", "round-robin", "least-load", "session"] = option(
+        "kv", "How an instance is chosen: kv, the lowest expected cost (the prefill left to do once "
+        "what the instance holds on its device and can load from its tiers or the shared store is "
+        "counted, plus its load), from the instances' KV events; round-robin; least-load (fewest "
+        "requests in flight); session (the same `user`, or X-Session-ID header, to the same "
+        "instance).")
+    health_check_interval: Seconds = option(
+        2.0, "Seconds between checks of each instance's /health and /metrics; one that fails "
+        "leaves the pool until it answers again.", metavar="SECONDS")
+
+    def check(self) -> None:
+        if not self.worker_urls:
+            raise ConfigError("worker_urls", "give the URL of at least one `kvtier serve` instance")
 
 
 def check_host_budgets(config: EngineConfig) -> None:

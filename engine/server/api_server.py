@@ -23,6 +23,7 @@ from engine.server import admin, tokenize_api
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError, install_error_handlers
+from engine.server.instance_info import InstanceInfo
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.request_body import json_body
@@ -114,6 +115,12 @@ def _health_body(state: ServerState) -> dict:
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
+
+
+@router.get("/instance")
+async def instance(request: Request) -> InstanceInfo:
+    """What `kvtier router` needs to route here by cache (engine/server/instance_info.py)."""
+    return _state(request).instance
 
 
 @router.get("/metrics")

@@ -31,7 +31,8 @@ from jinja2.exceptions import TemplateError
 from engine.blend import SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.detokenizer import backend_tokenizer
 from engine.server.errors import APIError
-from engine.server.protocol import check_unicode
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
+from engine.tool_calls import ToolCallParser, render_messages, template_takes_tools
 
 T = TypeVar("T")
 # Characters of a text prompt tokenized before the whole, per token of context, tried in
@@ -46,6 +47,13 @@ LEND_CORE_CHARS = 16 * 1024
 # A prefix cut inside a word can tokenize into a few more tokens than the same
 # characters do in the whole text; a prefix is judged too long only past this margin.
 CUT_MARGIN_TOKENS = 16
+
+
+def completion_prompts(body: CompletionRequest) -> tuple[list[str | list[int] | Segments], str]:
+    """A completion request's prompts and the parameter that holds them."""
+    if body.segments is None:
+        return body.prompt, "prompt"
+    return [Segments(body.segments)], "segments"
 
 
 class PromptTooLongError(APIError):
@@ -99,6 +107,20 @@ class PromptTokenizer:
                 self._check(len(token_ids), param, at_least=False)
             token_lists.append(token_ids)
         return token_lists
+
+    async def encode_chat_request(self, body: ChatCompletionRequest, parser: ToolCallParser) -> list[int] | SegmentedTokens:
+        """A chat completion request's prompt as the engine gets it: its messages and
+        offered tools rendered for `parser` (--tool-call-parser) and the chat template,
+        tokenized (the server, and `kvtier router` to name its blocks as the server will)."""
+        messages, template_tools = render_messages(
+            [m.template_dict() for m in body.messages], body.offered_tools, parser,
+            template_takes_tools(self.tokenizer.chat_template),
+        )
+        return await self.encode_chat(messages, "messages", body.kv_blend_separator, template_tools)
+
+    async def encode_completion_request(self, body: CompletionRequest) -> list[list[int] | SegmentedTokens]:
+        """A completion request's prompts (or its segments) as the engine gets them."""
+        return await self.encode(*completion_prompts(body), body.kv_blend_separator)
 
     async def encode_chat(
         self, messages: list[dict], param: str = "messages", separator: str | None = None,

@@ -372,6 +372,13 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.tool_choice
         return "auto" if self.tools else "none"
 
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model is shown (none with tool_choice "none")."""
+        if self.effective_tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:

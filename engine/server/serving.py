@@ -18,6 +18,7 @@ from engine.blend.segments import Segments
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server.errors import APIError, engine_error
+from engine.server.prompts import completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import (
     DONE_EVENT,
@@ -41,7 +42,7 @@ from engine.server.streams import (
     until_disconnected,
 )
 from engine.server.structured import chat_constraint, compiled, requested_constraint
-from engine.tool_calls import get_parser, render_messages, template_takes_tools
+from engine.tool_calls import get_parser
 
 T = TypeVar("T")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,10 +54,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     model = state.check_model(body.model)
     state.check_sequence_count(body.num_prompts, body.n)
     _check_logprobs(state, body.logprobs, "logprobs")
-    prompts, param = (body.prompt, "prompt") if body.segments is None else ([Segments(body.segments)], "segments")
+    prompts, param = completion_prompts(body)
     constraint = requested_constraint(body)
     await compiled(state.grammars, constraint)
-    token_lists = await _translated(state, state.prompts.encode(prompts, param, body.kv_blend_separator), param)
+    token_lists = await _translated(state, state.prompts.encode_completion_request(body), param)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, token_ids in enumerate(token_lists):
@@ -79,16 +80,10 @@ async def create_chat_completion(
         raise APIError(400, 'tool_choice "auto" is not served here (--no-enable-auto-tool-choice); '
                        'use "none", "required" or a named function', param="tool_choice", code="invalid_value")
     parser = get_parser(state.settings.tool_call_parser)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if choice != "none" else None
-    messages, template_tools = render_messages(
-        [m.template_dict() for m in body.messages], tools, parser,
-        template_takes_tools(state.prompts.tokenizer.chat_template),
-    )
+    tools = body.offered_tools
     constraint = chat_constraint(body, tools, parser)
     await compiled(state.grammars, constraint)
-    token_ids = await _translated(
-        state, state.prompts.encode_chat(messages, "messages", body.kv_blend_separator, template_tools), "messages"
-    )
+    token_ids = await _translated(state, state.prompts.encode_chat_request(body, parser), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(body.requested_max_tokens, None, len(token_ids), state.max_model_len)
     params = _sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,

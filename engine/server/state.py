@@ -14,6 +14,7 @@ from engine.builtin_models import DEFAULT_MODEL
 from engine.config import EngineConfig, ServerConfig
 from engine.server.body_decoder import BodyDecoder, keep_freed_memory, reserve_for
 from engine.server.errors import model_not_found, too_many_prompts, too_many_sequences
+from engine.server.instance_info import InstanceInfo, instance_info
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import PromptTokenizer
 
@@ -42,6 +43,7 @@ class ServerState:
     tier_health: Callable[[], dict[str, str]]  # offload tier -> "healthy"/"unhealthy", read now
     max_logprobs: int
     grammars: GrammarCompiler  # structured outputs, shared with the engine (engine/structured_output.py)
+    instance: InstanceInfo  # GET /instance, for routers
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -112,6 +114,7 @@ def create_state(
         tier_health=engine.connector.tier_health,
         max_logprobs=engine.config.max_logprobs,
         grammars=engine.grammars,
+        instance=instance_info(engine, model_names[0], settings.tool_call_parser),
     )
 
 

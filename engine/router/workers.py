@@ -1,0 +1,110 @@
+"""The instances behind the router: their health, load and facts (/instance), each
+with its KV event stream feeding the FleetIndex.
+
+Every `--health-check-interval` each instance's /health, /instance and /metrics are
+read. One that fails (or fails a request before its first byte) leaves the pool, and
+the index forgets it; one that answers again, or comes back as a new process (a new
+`instance_id`), joins with a fresh event stream, which first replays what the instance
+still buffers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from engine.router.event_stream import EventStream
+from engine.router.fleet_index import FleetIndex
+from engine.server.instance_info import InstanceInfo
+
+log = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 5.0
+_LOAD_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    info: InstanceInfo | None = None
+    healthy: bool = False
+    in_flight: int = 0  # requests the router has sent there and not finished
+    running: float = 0.0  # from its /metrics
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    stream: EventStream | None = field(default=None, repr=False)
+
+
+class WorkerPool:
+    def __init__(
+        self, urls: Sequence[str], index: FleetIndex, client: httpx.AsyncClient,
+        on_join: Callable[[InstanceInfo], object] = lambda info: None,
+    ) -> None:
+        self.workers = [Worker(url) for url in urls]
+        self._index = index
+        self._client = client
+        self._on_join = on_join
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check_all()
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            health = await self._client.get(f"{worker.url}/health", timeout=CHECK_TIMEOUT_S)
+            health.raise_for_status()
+            info = InstanceInfo.model_validate_json(
+                (await self._client.get(f"{worker.url}/instance", timeout=CHECK_TIMEOUT_S)).content)
+            metrics = await self._client.get(f"{worker.url}/metrics", timeout=CHECK_TIMEOUT_S)
+        except (httpx.HTTPError, ValidationError) as exc:
+            if worker.healthy:
+                log.warning("router: %s leaves the pool (%s)", worker.url, exc)
+            self.leave(worker)
+            return
+        if worker.info is None or info.instance_id != worker.info.instance_id:
+            await self._join(worker, info)
+        self._read_load(worker, metrics.text)
+        worker.healthy = True
+
+    def leave(self, worker: Worker) -> None:
+        """Out of the pool until a check finds it answering again."""
+        worker.healthy = False
+        worker.info = None
+        if worker.stream is not None:
+            worker.stream.stop()
+            worker.stream = None
+        self._index.leave(worker.url)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            self.leave(worker)
+
+    async def _join(self, worker: Worker, info: InstanceInfo) -> None:
+        self.leave(worker)
+        await asyncio.to_thread(self._on_join, info)  # builds the fingerprint's namer once
+        self._index.join(worker.url, info.shared_store)
+        if info.kv_events is not None:
+            url = worker.url
+            worker.stream = EventStream(url, info.kv_events, lambda batch: self._index.apply(url, batch.events))
+        worker.info = info
+        log.info("router: %s joins the pool (%s)", worker.url, info.model)
+
+    @staticmethod
+    def _read_load(worker: Worker, text: str) -> None:
+        for family in text_string_to_metric_families(text):
+            attribute = _LOAD_GAUGES.get(family.name)
+            if attribute is not None and family.samples:
+                setattr(worker, attribute, sum(s.value for s in family.samples))
