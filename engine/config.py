@@ -25,9 +25,11 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
     PlainSerializer,
+    TypeAdapter,
     ValidationError,
 )
 from pydantic.fields import FieldInfo
@@ -66,14 +68,11 @@ class ConfigError(ValueError):
 
 # ---- sizes --------------------------------------------------------------------------------
 
-_SIZE_UNITS = {
-    "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": GiB, "gib": GiB,
-    "ti": 1024**4, "tib": 1024**4,
-}
+# The whole value must have this shape: ByteSize reads a number and a unit from the start
+# of a string and ignores what follows (`1.GiB` would be one byte).
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_IEC_SHORT = ("ki", "mi", "gi", "ti")  # Kubernetes' spelling of KiB, MiB, GiB, TiB
 # A bare number this large is a byte count written without its unit, not GiB.
 _BARE_GIB_LIMIT = 1024**2
 # Upper bounds: a value past one is a typo or an attack, never a deployment. Refused at
@@ -97,9 +96,9 @@ def parse_size(value: str | int | float) -> int:
         number, unit = float(value), ""
     else:
         match = _SIZE_RE.match(str(value))
-        if match is None or match.group(2).lower() not in ("", *_SIZE_UNITS):
+        if match is None:
             raise ValueError(f"cannot parse size {value!r} (examples: 4 = 4GiB, 512MiB, 2GB, 1048576B)")
-        number, unit = float(match.group(1)), match.group(2).lower()
+        number, unit = float(match.group(1)), match.group(2)
     if number < 0:
         raise ValueError(f"size must be >= 0, got {value!r}")
     if not unit:
@@ -107,7 +106,11 @@ def parse_size(value: str | int | float) -> int:
             raise ValueError(f"a bare number is GiB, so {value!r} is {value} GiB; write bytes as {value}B")
         nbytes = int(number * GiB)
     else:
-        nbytes = int(number * _SIZE_UNITS[unit])
+        unit += "B" if unit.lower() in _IEC_SHORT else ""
+        try:
+            nbytes = int(_BYTE_SIZE.validate_python(match.group(1).rstrip(".") + unit))
+        except ValidationError:
+            raise ValueError(f"cannot parse size {value!r} (examples: 4 = 4GiB, 512MiB, 2GB, 1048576B)") from None
     if nbytes > MAX_SIZE:
         raise ValueError(f"{value!r} is more than the largest size, {format_size(MAX_SIZE)}")
     return nbytes

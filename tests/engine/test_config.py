@@ -66,13 +66,13 @@ def test_every_store_knob_reaches_the_store():
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("4", 4 * GiB), (4, 4 * GiB), (0.5, GiB // 2), ("1.5", 3 * GiB // 2), ("512MiB", 512 * MiB),
-    ("2GB", 2 * 10**9), ("1048576B", MiB), ("64 KiB", 64 * 1024), ("0", 0),
+    ("2GB", 2 * 10**9), ("1048576B", MiB), ("64 KiB", 64 * 1024), ("0", 0), ("4Gi", 4 * GiB), ("1.GiB", GiB),
 ])
 def test_sizes_bare_numbers_are_gib_units_are_explicit(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["lots", "4 parsecs", "-1", True, "1048576"])
+@pytest.mark.parametrize("text", ["lots", "4 parsecs", "-1", True, "1048576", "1GiB and more", "1e3B"])
 def test_bad_sizes_are_refused(text):
     with pytest.raises(ValueError):
         parse_size(text)
