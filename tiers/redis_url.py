@@ -6,6 +6,12 @@
   `rediss+cluster://` for TLS). A cluster has only database 0.
 - `unix://[[user]:password@]/path/to/redis.sock[?db=N]` (a Redis on this host, through
   its Unix socket: no TCP stack between the two processes).
+
+Not redis-py's `parse_url`: it reads redis://, rediss:// and unix:// with passwords, but
+has no form for a list of cluster seed nodes, and it accepts what a store must refuse
+at start rather than misread: a URL without a host, a database that is not a number
+(dropped silently), query parameters (taken as connection options), a relative socket
+path.
 """
 
 from __future__ import annotations
