@@ -32,6 +32,8 @@ WORKLOADS = {
     "chunked-prefill": ("bench.chunked_prefill", "inter-token latency of a decode while long prompts arrive"),
     "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),
     "structured-outputs": ("bench.structured_outputs", "JSON schemas and tool calls: validity, and cost vs free text"),
+    "vs-vllm": ("bench.vs_vllm", "kvtier against vLLM's CPU build through both servers (given --vllm-venv)"),
+    "neighbours": ("bench.neighbours", "batch-1 decode and prefix-hit TTFT beside neighbours that take CPU"),
 }
 
 

@@ -1,0 +1,128 @@
+"""Batch-1 decode and prefix-hit TTFT beside neighbours that take CPU (bench/neighbour_load.py:
+none, a busy loop, another torch process, a crowd of three).
+
+The servers (kvtier with each --cpu-threads-bind of --kvtier-binds, and vLLM's CPU build
+given --vllm-venv) stay up together and each first reads a --doc-tokens document once.
+Then, per round, each neighbour set in turn is started, every server streams the same
+document again (a device prefix hit) for --decode-tokens tokens, the order of the servers
+rotating from round to round, and the neighbours are stopped. A request's TTFT is the
+prefix hit's; the median gap between its later tokens is the batch-1 decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bench import plots
+from bench.common import markdown_table, median, parse_with_smoke
+from bench.console import echo
+from bench.neighbour_load import NEIGHBOURS, neighbours
+from bench.openai_probe import stream_completion
+from bench.served_engines import SERVED_NAME, VLLM, add_server_args, kvtier_name, running_servers
+from bench.summary import publish, result_header
+from bench.text_corpus import token_documents
+from engine.models import load_tokenizer
+
+NAME = "neighbours"
+SMOKE = {"rounds": 1, "doc_tokens": 96, "decode_tokens": 6, "max_model_len": 512, "kv_pool": "64MiB",
+         "neighbour_sets": ["quiet", "busy loop"], "server_args": "--no-fuse-elementwise"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"kvtier bench {NAME}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
+    p.set_defaults(kvtier_binds=["auto", "none"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--neighbour-sets", nargs="+", default=list(NEIGHBOURS), choices=list(NEIGHBOURS),
+                   metavar="SET", help=f"Which neighbours, in this order: {', '.join(NEIGHBOURS)}.")
+    p.add_argument("--seed", type=int, default=0)
+    return parse_with_smoke(p, argv, SMOKE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    args = parse_args(argv)
+    result = result_header(NAME, argv, args)
+    doc = token_documents(load_tokenizer(result["model"]["path"]), [args.doc_tokens], seed=args.seed)[0]
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {s: {} for s in args.neighbour_sets}
+    with running_servers(args) as servers:
+        for server in servers.values():
+            stream_completion(server.url, SERVED_NAME, doc, 2)  # the document, read once
+        names = list(servers)
+        for round_ in range(args.rounds):
+            for neighbour_set in args.neighbour_sets:
+                with neighbours(neighbour_set):
+                    shift = round_ % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        timing = stream_completion(servers[name].url, SERVED_NAME, doc, args.decode_tokens)
+                        sample = {"hit_ttft_s": timing.ttft_s, "decode_s": median(timing.inter_token_s),
+                                  "load": os.getloadavg()[0]}
+                        samples[neighbour_set].setdefault(name, []).append(sample)
+                        echo(f"round {round_}, {neighbour_set}: {name}: hit TTFT {1000 * timing.ttft_s:.0f} ms, "
+                             f"decode {1000 * sample['decode_s']:.1f} ms/token (load {sample['load']:.1f})")
+    result["samples"] = samples
+    result["summary"] = {s: {name: {"hit_ttft_s": median([x["hit_ttft_s"] for x in runs]),
+                                    "decode_s": median([x["decode_s"] for x in runs])}
+                             for name, runs in by_server.items()}
+                         for s, by_server in samples.items()}
+    plot(result)
+    publish(NAME, result, render(result))
+    return 0
+
+
+def baseline_names(names: list[str]) -> list[str]:
+    """The servers kvtier's default is compared with: its unbound variant first, then vLLM."""
+    return [n for n in names if n != kvtier_name("auto")]
+
+
+def render(result: dict) -> str:
+    o, summary = result["options"], result["summary"]
+    names = list(next(iter(summary.values())))
+    others = baseline_names(names) if kvtier_name("auto") in names else []
+    headers = ["neighbours", *[f"{n}: hit TTFT ms" for n in names], *[f"{n}: decode ms" for n in names],
+               *[f"kvtier / {n}: TTFT, decode" for n in others]]
+    rows = []
+    for neighbour_set, by_server in summary.items():
+        mine = by_server.get(kvtier_name("auto"))
+        rows.append([neighbour_set, *[1000 * by_server[n]["hit_ttft_s"] for n in names],
+                     *[1000 * by_server[n]["decode_s"] for n in names],
+                     *[f"{mine['hit_ttft_s'] / by_server[n]['hit_ttft_s']:.2f}, "
+                       f"{mine['decode_s'] / by_server[n]['decode_s']:.2f}" for n in others]])
+    return (f"{o['rounds']} rounds, medians; a {o['doc_tokens']}-token document read again (device prefix hit), "
+            f"{o['decode_tokens']} tokens streamed; --dtype {o['dtype']}; load average "
+            f"{result['load_average_start'][0]:.1f} at the start (the neighbours add to it)\n\n"
+            + markdown_table(headers, rows))
+
+
+def plot(result: dict) -> None:
+    summary = result["summary"]
+    sets = list(summary)
+    names = list(summary[sets[0]])
+    plots.save_figure(plots.png_path(NAME), [
+        plots.Panel("Batch-1 decode (median inter-token)", "neighbours", "ms", sets,
+                    {n: [1000 * summary[s][n]["decode_s"] for s in sets] for n in names}, kind="bar"),
+        plots.Panel("Prefix-hit TTFT (median)", "neighbours", "ms", sets,
+                    {n: [1000 * summary[s][n]["hit_ttft_s"] for s in sets] for n in names}, kind="bar"),
+    ], "Beside neighbours that take CPU")
+
+
+def describe(result: dict) -> str:
+    """What the numbers say (a paragraph of docs/BENCHMARKS.md): kvtier's default against
+    each other server, beside each neighbour set."""
+    summary = result["summary"]
+    parts = []
+    for neighbour_set, by_server in summary.items():
+        mine = by_server.get(kvtier_name("auto"))
+        if mine is None:
+            continue
+        for other in baseline_names(list(by_server)):
+            parts.append(f"{neighbour_set}, against {other}: decode {mine['decode_s'] / by_server[other]['decode_s']:.2f}x, "
+                         f"hit TTFT {mine['hit_ttft_s'] / by_server[other]['hit_ttft_s']:.2f}x")
+    if not parts:
+        return "Only one server ran: no comparison."
+    return ("kvtier with its default binding, as a ratio of each other server's median (below 1: kvtier faster): "
+            + "; ".join(parts) + f". A {VLLM} column appears when --vllm-venv is given.")
