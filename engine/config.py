@@ -37,9 +37,8 @@ from pydantic.fields import FieldInfo
 from engine.cache_home import kvtier_cache_dir
 from engine.cpu_threads import check_bind_value
 from engine.kv_events.config import KVEventsConfig, parse_kv_events_config
-from kvstore.config import COMPRESS_OPTIONS, TIER_ORDER, StoreConfig, parse_tiers
+from kvstore.config import COMPRESS_OPTIONS, FSYNC_POLICIES, TIER_ORDER, StoreConfig, parse_tiers
 from kvstore.errors import StoreConfigError
-from tiers.disk import FSYNC_POLICIES
 
 GiB = 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")

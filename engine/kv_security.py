@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 
 from engine.config import EngineConfig
-from tiers.redis_url import parse_redis_url
+from kvstore.config import redis_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def shared_tiers_without_secret(config: EngineConfig) -> list[str]:
         return []
     reasons = []
     if "redis" in config.kv_offload:
-        nodes = parse_redis_url(config.kv_redis_url).nodes
+        nodes = redis_nodes(config.kv_redis_url)
         remote = [f"{host}:{port}" for host, port in nodes if not is_loopback(host)]
         if remote:
             reasons.append(f"the redis tier's {', '.join(remote)} is not on loopback")

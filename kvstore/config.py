@@ -10,6 +10,7 @@ from kvstore.errors import StoreConfigError
 from tiers.disk import FSYNC_POLICIES, DiskTier
 from tiers.errors import TierConfigError
 from tiers.eviction import EVICTION_POLICIES
+from tiers.redis_url import parse_redis_url
 
 if TYPE_CHECKING:  # StoreConfig is checked before torch is imported (the CLI's bad flags)
     from kvstore.record import RecordCodec
@@ -93,6 +94,11 @@ class StoreConfig:
         if not self.secret:
             return None
         return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
+
+
+def redis_nodes(url: str) -> tuple[tuple[str, int], ...]:
+    """(host, port) of every node a Redis URL names (none for a Unix socket)."""
+    return parse_redis_url(url).nodes
 
 
 def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> CpuTier:
