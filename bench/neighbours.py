@@ -19,12 +19,14 @@ from bench.common import markdown_table, median, parse_with_smoke
 from bench.console import echo
 from bench.neighbour_load import NEIGHBOURS, neighbours
 from bench.openai_probe import stream_completion
+from bench.schedstat import tree_cpu_seconds
 from bench.served_engines import SERVED_NAME, VLLM, add_server_args, kvtier_name, running_servers
 from bench.summary import publish, result_header
 from bench.text_corpus import token_documents
 from engine.models import load_tokenizer
 
 NAME = "neighbours"
+SUMMARIZED = ("hit_ttft_s", "decode_s", "ran_s", "waited_s")
 SMOKE = {"rounds": 1, "doc_tokens": 96, "decode_tokens": 6, "max_model_len": 512, "kv_pool": "64MiB",
          "neighbour_sets": ["quiet", "busy loop"], "server_args": "--no-fuse-elementwise"}
 
@@ -58,15 +60,17 @@ def main(argv: list[str] | None = None) -> int:
                 with neighbours(neighbour_set):
                     shift = round_ % len(names)
                     for name in names[shift:] + names[:shift]:
+                        ran, waited = tree_cpu_seconds(servers[name].pid)
                         timing = stream_completion(servers[name].url, SERVED_NAME, doc, args.decode_tokens)
+                        ran_after, waited_after = tree_cpu_seconds(servers[name].pid)
                         sample = {"hit_ttft_s": timing.ttft_s, "decode_s": median(timing.inter_token_s),
+                                  "ran_s": ran_after - ran, "waited_s": waited_after - waited,
                                   "load": os.getloadavg()[0]}
                         samples[neighbour_set].setdefault(name, []).append(sample)
                         echo(f"round {round_}, {neighbour_set}: {name}: hit TTFT {1000 * timing.ttft_s:.0f} ms, "
                              f"decode {1000 * sample['decode_s']:.1f} ms/token (load {sample['load']:.1f})")
     result["samples"] = samples
-    result["summary"] = {s: {name: {"hit_ttft_s": median([x["hit_ttft_s"] for x in runs]),
-                                    "decode_s": median([x["decode_s"] for x in runs])}
+    result["summary"] = {s: {name: {key: median([x[key] for x in runs]) for key in SUMMARIZED}
                              for name, runs in by_server.items()}
                          for s, by_server in samples.items()}
     plot(result)
@@ -92,10 +96,18 @@ def render(result: dict) -> str:
                      *[1000 * by_server[n]["decode_s"] for n in names],
                      *[f"{mine['hit_ttft_s'] / by_server[n]['hit_ttft_s']:.2f}, "
                        f"{mine['decode_s'] / by_server[n]['decode_s']:.2f}" for n in others]])
-    return (f"{o['rounds']} rounds, medians; a {o['doc_tokens']}-token document read again (device prefix hit), "
+    text = (f"{o['rounds']} rounds, medians; a {o['doc_tokens']}-token document read again (device prefix hit), "
             f"{o['decode_tokens']} tokens streamed; --dtype {o['dtype']}; load average "
             f"{result['load_average_start'][0]:.1f} at the start (the neighbours add to it)\n\n"
             + markdown_table(headers, rows))
+    if "ran_s" in next(iter(next(iter(summary.values())).values())):
+        text += ("\nWhere a request's time went (medians per request, every thread of the server's processes, "
+                 "from /proc/PID/task/*/schedstat): CPU seconds run, and seconds waited runnable while another "
+                 "process had the CPU\n\n")
+        text += markdown_table(["neighbours", *[f"{n}: ran s, waited s" for n in names]],
+                               [[s, *[f"{by[n]['ran_s']:.2f}, {by[n]['waited_s']:.2f}" for n in names]]
+                                for s, by in summary.items()])
+    return text
 
 
 def plot(result: dict) -> None:

