@@ -33,6 +33,7 @@ WORKLOADS = {
     "startup": ("bench.startup", "start-up of the built-in model: converted checkpoint vs its GGUF file"),
     "structured-outputs": ("bench.structured_outputs", "JSON schemas and tool calls: validity, and cost vs free text"),
     "vs-vllm": ("bench.vs_vllm", "kvtier against vLLM's CPU build through both servers (given --vllm-venv)"),
+    "router-index": ("bench.router_index", "the router's index at fleet scale: event ingestion and scoring a long request"),
     "neighbours": ("bench.neighbours", "batch-1 decode and prefix-hit TTFT beside neighbours that take CPU"),
 }
 

@@ -93,6 +93,7 @@ COSTS: dict[str, str] = {
     "rag-blend": "--smoke: ~1.7 min, 1.0 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
     "startup": "--smoke: ~3.0 min, 1.3 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
     "store": "--smoke: ~31 s, 0.3 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
+    "router-index": "--smoke: ~39 s, 0.3 GiB max RSS (2-core VM, load average ~15); full size: ~51 s (64 instances, 1M blocks), 0.5 GiB max RSS (load average ~15)",
     "store-hits": "--smoke: ~84 s, 0.9 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
     "structured-outputs": "--smoke: ~3.0 min, 1.6 GiB max RSS (2-core VM, load average ~8); full size: not measured here",
     "throughput": "--smoke: ~1.9 min, 1.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",

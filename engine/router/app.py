@@ -84,7 +84,7 @@ class Router:
         self.metrics.decisions.labels(self.config.policy, worker.url).inc()
         if prompt is None or worker.info is None:
             return
-        holding = self.index.holding(worker.url, prompt.blocks)
+        holding = self.index.holdings([worker.url], prompt.blocks)[worker.url]
         block_size = worker.info.block_size
         self.metrics.predicted_cached.labels(worker.url, "device").inc(holding.device * block_size)
         for tier, blocks in holding.loadable.items():

@@ -90,26 +90,29 @@ class FleetIndex:
                         else:
                             held.pop(block, None)
 
-    def holding(self, instance: str, blocks: Sequence[int]) -> Holding:
-        """The leading blocks of a prompt `instance` can use, as its engine finds them: the
-        run in its device cache, then the run its store holds (each block from its fastest
-        tier: cpu, disk, then the shared store)."""
+    def holdings(self, instances: Iterable[str], blocks: Sequence[int]) -> dict[str, Holding]:
+        """The leading blocks of a prompt each instance can use, as its engine finds them:
+        the run in its device cache, then the run its store holds (each block from its
+        fastest tier: cpu, disk, then the shared store)."""
         with self._lock:
-            held = self._held.get(instance, {})
-            shared = self._shared.get(self._store_of.get(instance) or "", {})
-            position, count = 0, len(blocks)
-            while position < count and held.get(blocks[position], 0) & DEVICE:
-                position += 1
-            device = position
-            loadable: dict[str, int] = {}
-            while position < count:
-                bits = held.get(blocks[position], 0)
-                tier = "cpu" if bits & CPU else "disk" if bits & DISK else "shared" if blocks[position] in shared else None
-                if tier is None:
-                    break
-                loadable[tier] = loadable.get(tier, 0) + 1
-                position += 1
-            return Holding(device, loadable)
+            return {instance: self._holding(instance, blocks) for instance in instances}
+
+    def _holding(self, instance: str, blocks: Sequence[int]) -> Holding:
+        held = self._held.get(instance, {})
+        shared = self._shared.get(self._store_of.get(instance) or "", {})
+        position, count = 0, len(blocks)
+        while position < count and held.get(blocks[position], 0) & DEVICE:
+            position += 1
+        device = position
+        loadable: dict[str, int] = {}
+        while position < count:
+            bits = held.get(blocks[position], 0)
+            tier = "cpu" if bits & CPU else "disk" if bits & DISK else "shared" if blocks[position] in shared else None
+            if tier is None:
+                break
+            loadable[tier] = loadable.get(tier, 0) + 1
+            position += 1
+        return Holding(device, loadable)
 
     def size(self, instance: str) -> int:
         """Blocks known of `instance` outside the shared store."""

@@ -54,7 +54,7 @@ class Policies:
     def kv(self, workers: Sequence[Worker], prompt: PromptBlocks | None, block_size: int) -> list[Worker]:
         if prompt is None:
             return self.least_load(workers)
-        holdings = {w.url: self._index.holding(w.url, prompt.blocks) for w in workers}
+        holdings = self._index.holdings([w.url for w in workers], prompt.blocks)
 
         def cost(worker: Worker) -> float:
             held = holdings[worker.url]

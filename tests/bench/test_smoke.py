@@ -24,7 +24,7 @@ from bench.kv_common import find_redis_server
 
 NEEDS_REDIS = ("cross-instance", "store-hits")
 # the store alone (its smoke skips the model's KV); the built-in model's start-up
-NO_MODEL = ("store", "startup")
+NO_MODEL = ("store", "startup", "router-index")
 # Workloads on the shared driver, which record the model and their --smoke
 DRIVER_WORKLOADS = ("multi-round-qa", "rag", "agent-replay", "throughput", "chunked-prefill", "rag-blend")
 ALL_WORKLOADS = tuple(WORKLOADS)
