@@ -186,6 +186,31 @@ def test_a_subscriber_rebuilds_each_medium_exactly(tiny_llama, tmp_path, request
         subscriber.close()
 
 
+def test_shared_redis_blocks_come_from_the_writer_and_a_readers_copies_from_the_reader(tiny_llama, request):
+    redis = {"kv_redis_url": request.getfixturevalue("redis_url"), "kv_offload": "cpu,redis",
+             "kv_offload_cpu_size": f"{12 * CHUNK_BYTES}B"}
+    prompt = random_prompts([160], vocab_size=480, seed=9)
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    subscribers = [Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}") for pub, replay in ports]
+    try:
+        with LLM(model=tiny_llama, **POOL, **redis, kv_events_config=events_config(*ports[0])) as writer:
+            generate(writer, prompt, [2])
+            subscribers[0].catch_up(settle(writer))
+            written = subscribers[0].state()["SHARED:REDIS"]
+            assert len(written) == 160 // 16
+        with LLM(model=tiny_llama, **POOL, **redis, kv_events_config=events_config(*ports[1])) as reader:
+            generate(reader, prompt, [2])
+            stats = reader.stats()
+            assert stats["kv_external_hit_tokens_redis"] >= 128  # it loaded the writer's records
+            subscribers[1].catch_up(settle(reader))
+            held = subscribers[1].state()
+            assert held["CPU"] >= written  # loaded into its cpu tier: its own copies, announced
+            assert held.get("SHARED:REDIS", set()) <= written  # it wrote none of its own
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+
+
 def test_a_restart_clears_then_announces_the_rebuilt_disk_index(tiny_llama, tmp_path):
     options = {**POOL, "kv_offload": "disk", "kv_offload_disk_path": str(tmp_path / "disk")}
     prompts = random_prompts([130, 90], vocab_size=480, seed=5)
