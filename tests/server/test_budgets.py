@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from engine.config import ConfigError, EngineConfig, check_host_budgets
-from tests.server.server_helpers import REPO_ROOT, ServerProcess, server_flags
+from tests.server.server_helpers import REPO_ROOT
 
 GiB = 1024**3
 
@@ -59,13 +59,10 @@ def test_kvtier_serve_says_so_in_one_line_before_importing_torch(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("kvtier serve: error: --kv-offload-disk-size: ")
 
 
-def test_the_start_up_summary_says_what_the_server_holds(model_path):
-    server = ServerProcess(*server_flags(model_path, "--kv-offload", "cpu", "--kv-offload-cpu-size", "64MiB"))
-    try:
-        line = re.search(r"memory +(\d+\.\d) (MiB|GiB) resident, held while it serves: weights, "
-                         r"KV pool [\d.]+ [KMG]iB, cpu tier 64\.0 MiB", server.output)
-        assert line, server.output
-        resident = float(line.group(1)) * (1024 if line.group(2) == "GiB" else 1)
-        assert resident > 64  # the cpu tier is faulted in by the time the summary prints
-    finally:
-        server.stop()
+def test_the_start_up_summary_says_what_the_server_holds(server):
+    """The shared server (tests/server/conftest.py) has a 64 MiB cpu tier."""
+    line = re.search(r"memory +(\d+\.\d) (MiB|GiB) resident, held while it serves: weights, "
+                     r"KV pool [\d.]+ [KMG]iB, cpu tier 64\.0 MiB", server.output)
+    assert line, server.output
+    resident = float(line.group(1)) * (1024 if line.group(2) == "GiB" else 1)
+    assert resident > 64  # the cpu tier is faulted in by the time the summary prints
