@@ -56,6 +56,11 @@ class EventStream:
         self._thread = threading.Thread(target=self._run, name=f"kv-events {instance_url}", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the stream failed (its thread ended without being stopped)."""
+        return self._thread.is_alive() or self._stop.is_set()
+
     def stop(self) -> None:
         """Stop applying batches now; the thread closes its sockets within POLL_MS."""
         self._stop.set()

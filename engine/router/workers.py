@@ -3,9 +3,9 @@ with its KV event stream feeding the FleetIndex.
 
 Every `--health-check-interval` each instance's /health, /instance and /metrics are
 read. One that fails (or fails a request before its first byte) leaves the pool, and
-the index forgets it; one that answers again, or comes back as a new process (a new
-`instance_id`), joins with a fresh event stream, which first replays what the instance
-still buffers."""
+the index forgets it; one that answers again, comes back as a new process (a new
+`instance_id`) or whose event stream failed, joins again with a fresh event stream, which
+first replays what the instance still buffers."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ class WorkerPool:
                 log.warning("router: %s leaves the pool (%s)", worker.url, exc)
             self.leave(worker)
             return
-        if worker.info is None or info.instance_id != worker.info.instance_id:
+        stream_failed = worker.stream is not None and not worker.stream.alive
+        if worker.info is None or info.instance_id != worker.info.instance_id or stream_failed:
             await self._join(worker, info)
         self._read_load(worker, metrics.text)
         worker.healthy = True

@@ -122,6 +122,22 @@ def test_the_kv_policy_sends_a_repeated_prefix_where_it_is_held(instances):
         front.stop()
 
 
+def test_the_session_policy_keeps_a_user_on_one_instance(instances):
+    front = router("session", *instances)
+    try:
+        with httpx.Client(base_url=front.url, timeout=120) as client:
+            for user in ("alice", "bob", "carol", "dave"):
+                before = decisions(client, instances, "session")
+                for turn in range(3):
+                    body = {**completion(words(50 + turn, 10)), "user": user}
+                    assert client.post("/v1/completions", json=body).status_code == 200
+                after = decisions(client, instances, "session")
+                moved = {url for url in after if after[url] != before.get(url, 0)}
+                assert len(moved) == 1, (user, before, after)
+    finally:
+        front.stop()
+
+
 def test_an_instance_that_dies_leaves_the_pool(instances):
     first, _ = instances
     doomed = instance()
@@ -155,10 +171,10 @@ def completion(prompt: str) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
 
 
-def decisions(client: httpx.Client, instances) -> dict[str, float]:
+def decisions(client: httpx.Client, instances, policy: str = "kv") -> dict[str, float]:
     families = scrape(client)
     return {w.url: value(families, "kvtier:router_decisions", "kvtier:router_decisions_total",
-                         policy="kv", instance=w.url) for w in instances}
+                         policy=policy, instance=w.url) for w in instances}
 
 
 def changed(before: dict[str, float], after: dict[str, float]) -> str:
