@@ -20,6 +20,7 @@ WORKLOADS = {
     "store": ("bench.store", "put/get throughput per tier vs memcpy, raw file I/O and a raw Redis socket"),
     "long-doc-qa": ("bench.long_doc_qa", "long-document QA replay: TTFT per round and store tier"),
     "store-hits": ("bench.store_hits", "store-hit TTFT over device-hit TTFT: replay, new question, 2nd instance"),
+    "eviction": ("bench.eviction", "LRU against ARC in the cpu and disk tiers: LRU-thrash replay, hot documents among one-offs"),
     "zero-reuse": ("bench.zero_reuse", "no shared prefixes: what the store costs in output tokens/s"),
     "preemption": ("bench.preemption", "beyond KV capacity: offload vs recompute preemption"),
     "cross-instance": ("bench.cross_instance", "a second engine loads what the first saved to Redis"),
