@@ -684,9 +684,6 @@ def resident_memory() -> int | None:
         return None
 
 
-ROUTER_POLICIES = ("kv", "round-robin", "least-load", "session")
-
-
 def _worker_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
     for url in urls:
         if not re.fullmatch(r"https?://[^/\s]+/?", url):

@@ -50,8 +50,8 @@ class _InstanceGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         healthy = GaugeMetricFamily("kvtier:router_instance_healthy", "1 while the instance is in the pool.",
                                     labels=["instance"])
-        loads = GaugeMetricFamily("kvtier:router_instance_load", "Requests running and waiting on the "
-                                  "instance, as the router counts them.", labels=["instance"])
+        loads = GaugeMetricFamily("kvtier:router_instance_load", "Requests the router has in flight on the "
+                                  "instance plus those the instance reported waiting.", labels=["instance"])
         usage = GaugeMetricFamily("kvtier:router_instance_kv_usage", "The instance's reported KV cache usage.",
                                   labels=["instance"])
         blocks = GaugeMetricFamily("kvtier:router_instance_indexed_blocks", "Blocks the router knows the "

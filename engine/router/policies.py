@@ -4,7 +4,7 @@ that fails before its first byte on the second.
 
 kv: the lowest expected cost, in tokens of prefill: the prompt's tokens, less those in
 the instance's device cache (free), less those it can load, each at a share of a computed
-token's cost by tier (TIER_COST), plus LOAD_TOKENS per request it is running or queueing.
+token's cost by tier (TIER_COST), plus LOAD_TOKENS per request on the instance (`load`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from engine.router.workers import Worker
 # CPU hosts with the built-in model: a 3,500-token document loaded from a shared Redis in
 # 4.1 s against 43 s computed (about 0.1), a cpu tier hit several times faster than that.
 TIER_COST = {"cpu": 0.02, "disk": 0.05, "shared": 0.1}
-# A request running or waiting on an instance, in tokens of prefill it delays a new one by.
+# A request on an instance, in tokens of prefill it delays a new one by.
 LOAD_TOKENS = 256
 
 
 def load(worker: Worker) -> float:
-    """Requests on an instance: those the router has in flight there, or what its
-    /metrics reported running and waiting, whichever is more."""
-    return max(worker.in_flight, worker.running + worker.waiting)
+    """Requests on an instance: those the router has in flight there, plus those its
+    /metrics last reported waiting (clients that bypass the router queue there too). Not
+    its reported running count: that is up to --health-check-interval old, and a request
+    that has just finished would keep counting against the instance that holds its KV."""
+    return worker.in_flight + worker.waiting
 
 
 class Policies:

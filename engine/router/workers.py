@@ -25,8 +25,7 @@ from engine.server.instance_info import InstanceInfo
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 5.0
-_LOAD_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-                "vllm:kv_cache_usage_perc": "kv_usage"}
+_LOAD_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:kv_cache_usage_perc": "kv_usage"}
 
 
 @dataclass(eq=False)
@@ -35,8 +34,7 @@ class Worker:
     info: InstanceInfo | None = None
     healthy: bool = False
     in_flight: int = 0  # requests the router has sent there and not finished
-    running: float = 0.0  # from its /metrics
-    waiting: float = 0.0
+    waiting: float = 0.0  # from its /metrics
     kv_usage: float = 0.0
     stream: EventStream | None = field(default=None, repr=False)
 
