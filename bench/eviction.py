@@ -10,8 +10,8 @@ workloads, each tier sized to hold half of the documents:
           tier holds.
 
 Round 1 is the warm-up (thrash: the first pass; mix: the hot documents twice),
-round 2 is measured: the share of its document tokens the tier served (hit rate) and
-its TTFT. One engine per policy and tier, each with a device pool of about one request
+round 2 is measured: the share of its prompt tokens the tier served (hit rate) and its
+TTFT. One engine per policy and tier, each with a device pool of about one request
 (so that what comes back comes from the tier, not the device's prefix cache), fresh for
 each workload; every request is served by every engine in turn and the store drained
 after it, so that a hit does not depend on how far the write-behind got, and so that
@@ -110,8 +110,8 @@ def device_blocks(args: argparse.Namespace, prompt_tokens: int) -> int:
 
 
 def build_engines(args: argparse.Namespace, model: str, workdir: Path, sizes: tuple[int, int],
-                  pool: int) -> dict[str, LLM]:
-    records = capacity_docs(args) * args.doc_tokens // args.chunk_tokens
+                  pool: int, prompt_tokens: int) -> dict[str, LLM]:
+    records = capacity_docs(args) * math.ceil(prompt_tokens / args.chunk_tokens)  # a prompt's tail is saved too
     engines = {}
     for tier in args.tiers:
         for policy in EVICTION_POLICIES:
@@ -129,7 +129,7 @@ def run_workload(args: argparse.Namespace, model: str, prompts: list[list[int]],
                  sizes: tuple[int, int], pool: int) -> dict[str, list[dict]]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-eviction-"))
-    engines = build_engines(args, model, workdir, sizes, pool)
+    engines = build_engines(args, model, workdir, sizes, pool, len(prompts[0]))
     out: dict[str, list[dict]] = {name: [] for name in engines}
     try:
         for number, order in enumerate(rounds, 1):
@@ -145,7 +145,7 @@ def run_workload(args: argparse.Namespace, model: str, prompts: list[list[int]],
                 tier = name.split()[0]
                 out[name].append({"round": number, "docs": order, "ttft_ms": ttfts[name],
                                   "ttft_p50_ms": percentile(ttfts[name], 50), "hits": hits,
-                                  "hit_rate": hits[tier] / (len(order) * args.doc_tokens)})
+                                  "hit_rate": hits[tier] / sum(len(prompts[doc]) for doc in order)})
     finally:
         for llm in engines.values():
             with contextlib.suppress(Exception):
@@ -211,7 +211,7 @@ def plot(result: dict) -> None:
     hit_rates = {w: [100 * result["workloads"][w][n][-1]["hit_rate"] for n in names] for w in result["workloads"]}
     ttfts = {w: [result["workloads"][w][n][-1]["ttft_p50_ms"] for n in names] for w in result["workloads"]}
     plots.save_figure(plots.png_path(NAME), [
-        plots.Panel("Round-2 hit rate", "tier and eviction policy", "% of document tokens", names, hit_rates,
+        plots.Panel("Round-2 hit rate", "tier and eviction policy", "% of prompt tokens", names, hit_rates,
                     kind="bar"),
         plots.Panel("Round-2 TTFT (p50)", "tier and eviction policy", "ms", names, ttfts, kind="bar"),
     ], "LRU against ARC, tiers holding half of the documents")
