@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
-from tests.server.server_helpers import ADMIN_TOKEN, MAX_MODEL_LEN, ServerProcess, server_flags
+from tests.server.server_helpers import (
+    ADMIN_TOKEN,
+    MAX_MODEL_LEN,
+    STORELESS_KEY,
+    ServerProcess,
+    server_flags,
+)
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +29,18 @@ def server(model_path):
         "--kv-offload", "cpu", "--kv-offload-cpu-size", "64MiB", "--kv-chunk-tokens", "32",
         "--max-request-bytes", "64KiB",
     ))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def storeless_server(model_path):
+    """A server with no KV store and the admin API on (its store operations answer 501),
+    whose API key comes from KVTIER_API_KEY alone (no flag, no VLLM_API_KEY): one process
+    for the tests of both."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVTIER_API_KEY": STORELESS_KEY}
+    env.pop("VLLM_API_KEY", None)
+    process = ServerProcess(*server_flags(model_path, "--enable-kv-admin", "--admin-token", ADMIN_TOKEN), env=env)
     yield process
     process.stop()
 

@@ -13,6 +13,7 @@ __all__ = ["ServerProcess"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "test-admin-token-0123456789"
+STORELESS_KEY = "sk-from-kvtier"  # the API key of the storeless server, from KVTIER_API_KEY
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
 # Servers of the tiny model run eager elementwise ops: compiling the fused forms would add

@@ -13,9 +13,7 @@ import pytest
 from tests.server.server_helpers import (
     ADMIN_TOKEN,
     MODEL_NAME,
-    ServerProcess,
     scrape,
-    server_flags,
     value,
 )
 
@@ -176,19 +174,16 @@ def test_admin_store_operations(http):
     assert "flushed_chunks" in flush.json()
 
 
-def test_store_operations_answer_501_without_a_store(model_path):
-    server = ServerProcess(*server_flags(model_path, "--enable-kv-admin", "--admin-token", ADMIN_TOKEN))
-    try:
-        for path, body in (("/kv/pin", {"prompt": "abc"}), ("/kv/unpin", {"prompt": "abc"}), ("/kv/flush", {})):
-            response = httpx.post(server.url + path, headers=AUTH, json=body)
-            assert response.status_code == 501
-            error = response.json()["error"]
-            assert error["message"] == "not available: no KV store configured"
-            assert error["code"] == "kv_store_unavailable"
-        stats = httpx.get(server.url + "/kv/stats", headers=AUTH).json()
-        assert stats["store"] is None and stats["tiers"] == {}
-    finally:
-        server.stop()
+def test_store_operations_answer_501_without_a_store(storeless_server):
+    url = storeless_server.url
+    for path, body in (("/kv/pin", {"prompt": "abc"}), ("/kv/unpin", {"prompt": "abc"}), ("/kv/flush", {})):
+        response = httpx.post(url + path, headers=AUTH, json=body)
+        assert response.status_code == 501
+        error = response.json()["error"]
+        assert error["message"] == "not available: no KV store configured"
+        assert error["code"] == "kv_store_unavailable"
+    stats = httpx.get(url + "/kv/stats", headers=AUTH).json()
+    assert stats["store"] is None and stats["tiers"] == {}
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

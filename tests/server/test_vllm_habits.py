@@ -16,7 +16,13 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.server_helpers import EAGER_OPS, MAX_MODEL_LEN, REPO_ROOT, ServerProcess
+from tests.server.server_helpers import (
+    EAGER_OPS,
+    MAX_MODEL_LEN,
+    REPO_ROOT,
+    STORELESS_KEY,
+    ServerProcess,
+)
 
 KEY = "sk-test-key-0123"
 NAMES = ("first-name", "second-name")
@@ -88,16 +94,10 @@ def test_health_metrics_version_stay_open(server):
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
 
 
-def test_the_key_also_comes_from_kvtier_api_key_and_the_flag(model_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVTIER_API_KEY": "sk-from-kvtier"}
-    process = ServerProcess("--model", model_path, "--num-kv-blocks", "16", "--log-level", "warning", EAGER_OPS,
-                            env=env)
-    try:
-        assert httpx.get(process.url + "/v1/models").status_code == 401
-        ok = httpx.get(process.url + "/v1/models", headers={"Authorization": "Bearer sk-from-kvtier"})
-        assert ok.status_code == 200
-    finally:
-        process.stop()
+def test_the_key_also_comes_from_kvtier_api_key_and_the_flag(storeless_server):
+    assert httpx.get(storeless_server.url + "/v1/models").status_code == 401
+    ok = httpx.get(storeless_server.url + "/v1/models", headers={"Authorization": f"Bearer {STORELESS_KEY}"})
+    assert ok.status_code == 200
 
 
 # ---- names, MODEL, chat template ----------------------------------------------------------------
