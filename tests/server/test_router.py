@@ -111,6 +111,9 @@ def test_the_kv_policy_sends_a_repeated_prefix_where_it_is_held(instances):
                 # its 12 full blocks at least, from the instance's events
                 wait_until(lambda url=url, floor=known[url] + 12: indexed(client, url) >= floor, "indexed")
             assert len(set(chosen.values())) == 2  # the documents are spread over both
+            for bad in (b"{", json.dumps({**completion("x"), "max_tokens": -1}).encode()):
+                refused = client.post("/v1/completions", content=bad, headers={"Content-Type": "application/json"})
+                assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
             for round_ in range(1, 3):
                 for i, document in enumerate(documents):
                     before = decisions(client, instances)
