@@ -5,15 +5,13 @@ the tier recovers by itself. Store option errors name the flag to blame."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from bench.redis_server import RedisServer
-from tests.server.server_helpers import EAGER_OPS, REPO_ROOT, ServerProcess
+from tests.server.server_helpers import EAGER_OPS, ServerProcess
 
 RECOVERY_TIMEOUT_S = 30  # the probe's backoff is at most 8 s
 
@@ -48,16 +46,20 @@ def test_redis_down_at_start_is_degraded_then_recovers(model_path, redis_binary,
         redis.kill()
 
 
-def test_a_disk_path_that_cannot_be_created_names_its_flag(model_path, tmp_path):
+def test_a_disk_path_that_cannot_be_created_names_its_flag(model_path, tmp_path, capsys):
+    """`kvtier generate` in this process (its imports are done here already)."""
+    from engine.cli import main
+
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "generate", "--prompt", "hi", "--model", model_path,
-         "--num-kv-blocks", "16", "--kv-offload", "cpu,disk", "--kv-offload-disk-path", str(blocker / "kv")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "kvtier generate: error: --kv-offload-disk-path: cannot create disk tier directory" in result.stderr
+    with pytest.raises(SystemExit) as exited:  # any other exception would be the traceback
+        main(["generate", "--prompt", "hi", "--model", model_path, "--num-kv-blocks", "16",
+              "--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "16MiB",
+              "--kv-offload-disk-path", str(blocker / "kv")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "kvtier generate: error: --kv-offload-disk-path: cannot create disk tier directory" in err
 
 
 def test_a_cpu_tier_larger_than_memory_names_its_flag(model_path):
