@@ -125,7 +125,7 @@ def paired_gbps(reference: Measure, store: Measure, nbytes: int, repeats: int) -
 
 def empty(store: TieredStore, tier: str) -> None:
     """Drop every record of `tier` and wait until it is done: `flush` only starts the clear
-    (it runs on the store's I/O loop), and a clear still running when the next put round
+    (it runs on the store's upkeep thread), and a clear still running when the next put round
     starts deletes records just saved, so that a get finds chunks missing (seen on a loaded
     machine: `store --smoke` exited 1, "a chunk failed to load")."""
     store.flush([tier]).result(600)
@@ -174,7 +174,7 @@ class Workload:
         span = self.batch * self.spec.blocks_per_chunk
         for start in range(0, len(self.hashes), span):
             load = store.open_load(store.locate(self.hashes, start, start + span))
-            load.future.result(600)
+            load.wait(600)
             if load.arrived_blocks() != min(span, len(self.hashes) - start):
                 raise RuntimeError("a chunk failed to load")
             if copy_out:

@@ -14,6 +14,7 @@ reaches the device or is given back.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -129,12 +130,21 @@ class KVStoreConnector:
             self._saved += self.worker.save(meta.saves)
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """Block until an asynchronous load, probe or prefetch completes, or `timeout_s`."""
-        futures = [p.load.future for p in self.planner.loading.values()]
+        """Block until a read task of an asynchronous load or prefetch, or a probe,
+        completes, or one of them reaches its deadline, or `timeout_s`."""
+        futures: list[concurrent.futures.Future] = []
+        deadline = time.monotonic() + timeout_s
+        pending = [p.load for p in self.planner.loading.values()]
         for state in self.planner.requests.values():
-            futures += [f for f in (state.probe, state.prefetch) if f is not None]
+            if state.probe is not None:
+                futures.append(state.probe)
+            if state.prefetch is not None:
+                pending.append(state.prefetch)
+        for work in pending:
+            futures += [f for f in work.futures if not f.done()]
+            deadline = min(deadline, work.deadline)
         if futures:
-            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()), concurrent.futures.FIRST_COMPLETED)
 
     # ---- admin side -----------------------------------------------------------------------
 
@@ -169,6 +179,10 @@ class KVStoreConnector:
 
     def watch_blocks(self, listener: IndexListener) -> None:
         self.store.index.watch(listener)
+
+    def stored_blocks_in(self, block_hashes: Sequence[bytes], tier: str) -> int:
+        run = self.store.locate(block_hashes, 0, len(block_hashes))
+        return next((i for i, place in enumerate(run) if tier not in place.record.tiers), len(run))
 
     def close(self) -> None:
         """Finish the copies in flight and close the store (which writes out what is

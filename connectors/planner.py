@@ -32,6 +32,12 @@ class OpenLoad(Protocol):
 
     def done(self) -> bool: ...
 
+    @property
+    def futures(self) -> list[Future[None]]: ...
+
+    @property
+    def deadline(self) -> float: ...
+
     def arrived_blocks(self) -> int: ...
 
     @property
@@ -40,6 +46,15 @@ class OpenLoad(Protocol):
     def start(self) -> None: ...
 
     def tier_runs(self, num_blocks: int) -> list[tuple[str, int]]: ...
+
+
+class Pending(Protocol):
+    """Work of the store's pools the planner waits for (a prefetch: kvstore.ReadBatch)."""
+
+    futures: list[Future[None]]
+    deadline: float
+
+    def done(self) -> bool: ...
 
 
 class StoreIndex(Protocol):
@@ -58,7 +73,7 @@ class StoreIndex(Protocol):
 
     def probe(self, block_hashes: Sequence[bytes], start: int, end: int) -> Future[int] | None: ...
 
-    def prefetch_run(self, run: Sequence[Any]) -> Future[None] | None: ...
+    def prefetch_run(self, run: Sequence[Any]) -> Pending | None: ...
 
     def record_name(self, block_hash: bytes) -> str: ...
 
@@ -128,7 +143,7 @@ class RequestKV:
     tail_handled: bool = False  # the prompt's tail record was saved or found stored
     probe: Future[int] | None = None
     probed: bool = False
-    prefetch: Future[None] | None = None
+    prefetch: Pending | None = None
     prefetched: bool = False
     load: PlannedLoad | None = None  # opened at admission, not yet handed to the worker
 
@@ -306,11 +321,10 @@ class Planner:
     def _waiting(self, state: RequestKV, request: ConnectorRequest, start: int, end: int) -> bool:
         """Whether the request waits on its probe or prefetch; starts the probe of the
         blocks past what memory knows, once per request."""
-        if (state.probe is not None and state.probe.done()) or (
-            state.prefetch is not None and state.prefetch.done()
-        ):
-            # What they found reaches the index through the store's events: apply them
-            # before the index is read, or a finished probe looks like a miss.
+        if state.probe is not None or state.prefetch is not None:
+            # What they found reaches the index when the store polls: apply it before the
+            # index is read, or a finished probe looks like a miss (polling also gives up
+            # on a probe past its time).
             self.store.poll()
         if state.probe is not None and state.probe.done():
             state.probe = None

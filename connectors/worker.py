@@ -4,11 +4,12 @@ between the store's host slots and the device KV cache, one copy each way.
 - A load: every part of it (a run of blocks of one record, in a slot) is copied slot ->
   device blocks, up to the blocks that arrived; then the load is closed (a record read
   from disk or Redis stays in the cpu tier, in the slot it was read into). On a CPU
-  cache, the parts of an asynchronous load are copied as they arrive, on the store's I/O
-  thread, while the request waits for the others (`copy_on_arrival`); the step copies
-  only what was in before. When the store does not keep the records it reads (no cpu
-  tier to promote into), a record the tier can read without waiting is read straight
-  into the device blocks instead (`Load.place_with`), claiming its part as a copy
+  cache, the worker chooses to copy the parts of an asynchronous load as they arrive,
+  while the request waits for the others (`copy_on_arrival`: a callback of its own on
+  each read task's future, run on the read thread that finished); the step copies only
+  what was in before. When the store does not keep the records it reads (no cpu tier to
+  promote into), the worker offers each part its device blocks (`Load.offer`): a record
+  the tier can read without waiting goes straight there, claiming its part as a copy
   does. The request owns its device blocks until it is freed, and every copy into them
   ends before `seal` returns, which runs before they are freed or read.
 - A save: a slot is reserved for the record, the device blocks are copied into its
@@ -81,6 +82,27 @@ class ArrivalCopies:
             return set(self.copied)
 
 
+@dataclass(eq=False)
+class BlockDestination:
+    """A part's device blocks of a CPU cache, offered to the read of its record
+    (kvstore.loading.Destination): claimed like a copy, so that `seal` waits for it."""
+
+    copies: ArrivalCopies
+    index: int  # of the part in its load
+    position: int  # of the part's first block in its record
+    claimed_blocks: Callable[[int], list[int]]
+    block_memory: Callable[[int], memoryview]
+
+    def claim(self) -> Mapping[int, memoryview] | None:
+        blocks = self.claimed_blocks(self.index)
+        if not blocks:
+            return None
+        return {self.position + j: self.block_memory(block) for j, block in enumerate(blocks)}
+
+    def release(self, placed: bool) -> None:
+        self.copies.finish(self.index, placed)
+
+
 class Worker:
     def __init__(self, store: TieredStore, kv_cache: torch.Tensor, block_size: int) -> None:
         self.store = store
@@ -107,6 +129,8 @@ class Worker:
             return planned.block_ids[first : first + count] if count > 0 and copies.claim(index) else []
 
         def arrived(index: int) -> None:
+            if load.parts[index].tier is None:
+                return
             blocks = claimed_blocks(index)
             if not blocks:
                 return
@@ -117,21 +141,14 @@ class Worker:
             finally:
                 copies.finish(index, copied)
 
-        def place(index: int, fill: Callable[[Mapping[int, memoryview]], bool]) -> bool:
-            blocks = claimed_blocks(index)
-            if not blocks:
-                return False
-            placed = False
-            try:
-                position = load.parts[index].position
-                placed = fill({position + j: self._block_memory(block) for j, block in enumerate(blocks)})
-            finally:
-                copies.finish(index, placed)
-            return placed
-
-        load.on_arrival(arrived)
         if not self.store.keeps_loaded_records:
-            load.place_with(place)
+            for index, part in enumerate(load.parts):
+                load.offer(index, BlockDestination(copies, index, part.position, claimed_blocks, self._block_memory))
+        load.start()
+        for index in range(len(load.parts)):
+            arrival = load.arrival(index)
+            if arrival is not None:
+                arrival.add_done_callback(lambda _, index=index: arrived(index))
 
     def _block_memory(self, block: int) -> memoryview:
         """Device block `block` of a CPU cache as writable bytes."""

@@ -1,51 +1,75 @@
 """Reads of records from the record tiers into reserved host slots, verified in place.
 
 A `RecordRead` is one record a load or a prefetch needs: the store reserved its slot and
-says which tiers should hold it (per its index; None: ask every record tier). The
-loader asks the tiers in order (disk, then redis), each for what is still missing (a
-remote tier even when the index does not name it, as another process may have written
-the record there), and
-each tier places the record straight into the slot's record region; the record is then
-verified there (kvstore.record, `settle_in_slot`) and checked against what the index
-knows of it (first block, length, block hashes). A missing record, a bad one (counted
-on its tier and deleted from it, so that the recomputed record can be saved again) or
-one that contradicts the index is a miss, and the index forgets it in that tier.
+says which tiers should hold it (per its index; None: ask every record tier). A
+`ReadBatch` is the reads of one load or prefetch, split into parts that the read pool
+reads concurrently: each part is one blocking task that asks the tiers in order (disk,
+then redis) for what is still missing (a remote tier even when the index does not name
+it, as another process may have written the record there) with one batch call that
+reads into the slots' record regions, verifies each record there (kvstore.record,
+`settle_in_slot`) and checks it against what the index knows of it (first block,
+length, block hashes). The task returns nothing to anyone: it leaves on each read where
+the record came from, and queues what it learnt (tier T holds record R, or does not) as
+findings that the engine thread applies to the index when it polls (kvstore.store), in
+order: a finding of before a remote tier's outage is dropped with what the index knew
+of that tier. A missing record, a bad one
+(counted on its tier and deleted from it, so that the recomputed record can be saved
+again) or one that contradicts the index is a miss there.
 
-The read's future is resolved within `timeout_s` whatever happens. A read still in
-flight then (a slow disk, a stalled Redis) is TIMED_OUT: the caller treats it as a miss
-and the loader itself gives its slot back once no I/O thread can write into it any more.
+Time bound: a batch is settled `timeout_s` after it starts whatever its tasks do. The
+engine thread finds out when it asks (`ReadBatch.done`); a part still in flight then (a
+slow disk, a stalled Redis) is TIMED_OUT, its reads are misses, the tier it was asking
+is marked failing, and the task itself gives their slots back when its I/O ends (no
+thread writes into a slot the store handed out again).
+
+A read may be offered a destination (`RecordRead.destination`: a CPU cache's blocks,
+when the store does not keep what it reads): when the tier can read the record without
+waiting (`RecordTier.read_in_place`), its blocks go there instead of through the slot.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import enum
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from kvstore.errors import KeyMismatchError, RecordError
-from kvstore.index import BlockIndex
-from kvstore.parts import StoreParts
+from kvstore.parts import Finding, StoreParts
 from kvstore.record import RecordHeader
-from kvstore.runtime import pending_future
-from tiers.base import Buffer, RecordTier, split_evenly
-from tiers.read_threads import in_read_thread
+from tiers.base import Buffer, RecordTier
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# A batch is read from a tier in this many concurrent parts (fewer for fewer records): the
-# records of a part are verified in their slots (xxh3) while the others are still in
-# flight, and Redis reads them over as many connections.
-READ_PARTS = 8
+# Threads of the read pool: a batch is read in up to this many concurrent parts, the
+# records of a part verified in their slots (xxh3) while the others are still in flight,
+# and Redis reads them over as many connections.
+READ_THREADS = 4
 
 
 class ReadState(enum.Enum):
     PENDING = "pending"
     OK = "ok"
     FAILED = "failed"
-    TIMED_OUT = "timed out"  # given up on; the loader frees the slot when the I/O ends
+    TIMED_OUT = "timed out"  # given up on; its task frees the slot when its I/O ends
+
+
+class Destination(Protocol):
+    """Memory a read may place a record's blocks in instead of its slot."""
+
+    def claim(self) -> Mapping[int, memoryview] | None:
+        """Record block -> memory to write now; None: not now (the slot path reads it)."""
+        ...
+
+    def release(self, placed: bool) -> None:
+        """The claimed memory is no longer written; `placed`: the blocks are there, verified."""
+        ...
 
 
 @dataclass(eq=False)
@@ -57,108 +81,168 @@ class RecordRead:
     slot: int
     candidates: tuple[str, ...] | None  # tiers believed to hold it; None: every record tier
     tier: str | None = None  # where it came from
+    header: RecordHeader | None = None  # of the record that arrived
     state: ReadState = ReadState.PENDING
-    on_arrival: Callable[[], None] | None = None  # called on the I/O thread once verified
-    # Offered by whoever will copy the blocks out (a load on a CPU cache whose slot is not
-    # kept): `place(fill)` calls `fill(destinations)`, record block -> memory, while the
-    # destinations are safe to write (or returns False), and True from fill means the
-    # blocks are there and verified.
-    place: Callable[[Callable[[Mapping[int, memoryview]], bool]], bool] | None = None
+    destination: Destination | None = None
+    placed: bool = False  # its blocks went to `destination`, not to the slot
+
+
+@dataclass(eq=False)
+class ReadBatch:
+    """The reads of one load or prefetch and the read pool's tasks reading them."""
+
+    reads: list[RecordRead]
+    parts: list[list[RecordRead]]
+    timeout_s: float
+    futures: list[Future[None]] = field(default_factory=list)  # one per part, once started
+    deadline: float = float("inf")
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: set[int] = field(default_factory=set)  # parts not finished
+    asking: dict[int, RecordTier] = field(default_factory=dict)  # the tier a part is reading
+    timed_out: bool = False
+
+    @property
+    def started(self) -> bool:
+        return bool(self.futures)
+
+    def part_of(self, read: RecordRead) -> Future[None] | None:
+        """The future of the task reading `read` (None before the batch starts)."""
+        for part, future in zip(self.parts, self.futures, strict=False):
+            if any(r is read for r in part):
+                return future
+        return None
+
+    def done(self) -> bool:
+        """Whether every read is settled: arrived, missed, or given up on at the deadline
+        (which this call enforces; only the engine thread calls it)."""
+        if not self.started:
+            return False
+        with self.lock:
+            if not self.running or self.timed_out:
+                return True
+        if time.monotonic() < self.deadline:
+            return False
+        self.give_up(f"a load took over {self.timeout_s}s")
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the batch is done, its deadline passes or `timeout_s` does (None:
+        no bound but the deadline); whether it is done. Before it starts, never done."""
+        if self.started:
+            limit = self.deadline - time.monotonic()
+            if timeout_s is not None:
+                limit = min(limit, timeout_s)
+            concurrent.futures.wait(self.futures, max(0.0, limit))
+        return self.done()
+
+    def give_up(self, reason: str) -> None:
+        """Settle the parts still in flight as TIMED_OUT (misses); the tiers they were
+        asking count a failure."""
+        with self.lock:
+            if not self.running or self.timed_out:
+                return
+            self.timed_out = True
+            late = [self.parts[i] for i in self.running]
+            tiers = list(self.asking.values())
+        log.warning("kvstore: %s; its missing records are misses", reason)
+        for part in late:
+            for read in part:
+                read.state = ReadState.TIMED_OUT
+        for tier in tiers:  # a tier that slow is treated as failing
+            tier.counters.add(errors=1)
+            tier.health.record_failure(reason)
 
 
 class Loader:
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
+        self._started: list[ReadBatch] = []  # possibly still in flight
 
-    def read(self, reads: Sequence[RecordRead], timeout_s: float) -> Future[None]:
-        """Fill the reads' slots; the future resolves when every read is OK, FAILED or
-        TIMED_OUT (at most `timeout_s` from now)."""
-        future, start = self.prepare(reads, timeout_s)
-        start()
-        return future
+    def batch(self, reads: Sequence[RecordRead], timeout_s: float) -> ReadBatch:
+        """The reads as a batch, not started (`start`): its reads may first be offered a
+        destination."""
+        size = -(-len(reads) // READ_THREADS) or 1
+        parts = [list(reads[i : i + size]) for i in range(0, len(reads), size)]
+        return ReadBatch(list(reads), parts, timeout_s)
 
-    def prepare(self, reads: Sequence[RecordRead], timeout_s: float) -> tuple[Future[None], Callable[[], None]]:
-        """`read`, begun when the returned function is first called (the timeout counts
-        from then): the caller may first offer the reads a place (`RecordRead.place`)."""
-        future: Future[None] = pending_future()
-        started = False
+    def start(self, batch: ReadBatch) -> None:
+        """Hand the batch's parts to the read pool (once); its deadline counts from now."""
+        if batch.started:
+            return
+        batch.deadline = time.monotonic() + batch.timeout_s
+        batch.running = set(range(len(batch.parts)))
+        batch.futures = [self._pool.submit(self._read_part, batch, i) for i in range(len(batch.parts))]
+        self._started = [b for b in self._started if b.running] + [batch]
 
-        def start() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                self._parts.runtime.spawn(self._run(list(reads), timeout_s, future))
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        """Run `job` on the read pool: a read a request waits for (a probe of a remote
+        tier's block index)."""
+        return self._pool.submit(job)
 
-        return future, start
+    def close(self) -> None:
+        """Stop taking reads and settle those in flight as misses; their tasks finish by
+        themselves (their tiers' own timeouts bound them) and give their slots back."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for batch in self._started:
+            batch.give_up("the store closed during a load")
 
-    async def _run(self, reads: list[RecordRead], timeout_s: float, future: Future[None]) -> None:
+    def _read_part(self, batch: ReadBatch, index: int) -> None:
+        reads = batch.parts[index]
         try:
-            asking: list[RecordTier] = []  # the tier being read, while it is
-            # tracked, so that closing the store cancels it even after its wait timed out
-            task = self._parts.runtime.task(self._fill(reads, asking))
-            done, _ = await asyncio.wait({task}, timeout=timeout_s)
-            if not done:
-                log.warning("kvstore load timed out after %.3fs; missing records are misses", timeout_s)
-                for read in reads:
-                    if read.state is ReadState.PENDING:
-                        read.state = ReadState.TIMED_OUT
-                for tier in asking:  # a tier that slow is treated as failing
-                    tier.counters.add(errors=1)
-                    tier.health.record_failure(f"a load took over {timeout_s}s")
-            elif task.exception() is not None:
-                self._parts.counters.add(internal_errors=1)
-                log.error("kvstore load failed; missing records are misses", exc_info=task.exception())
-                for read in reads:
-                    if read.state is ReadState.PENDING:
-                        read.state = ReadState.FAILED
+            self._fill(batch, index, reads)
+        except Exception:
+            self._parts.counters.add(internal_errors=1)
+            log.exception("kvstore load failed; missing records are misses")
         finally:
-            future.set_result(None)
+            with batch.lock:
+                batch.running.discard(index)
+                batch.asking.pop(index, None)
+                timed_out = batch.timed_out
+                if not timed_out:
+                    for read in reads:
+                        read.state = ReadState.OK if read.tier is not None else ReadState.FAILED
+            if timed_out:  # nobody waits for these slots any more: free them now
+                for read in reads:
+                    self._parts.memory.abort(read.slot)
 
-    async def _fill(self, reads: list[RecordRead], asking: list[RecordTier]) -> None:
-        pending = list(reads)
+    def _fill(self, batch: ReadBatch, index: int, reads: list[RecordRead]) -> None:
+        pending = reads
         for tier in self._parts.lower:
             # the tiers the index names, and any remote one for what they failed to give
             # (another process may have written it there)
             ask = [r for r in pending if r.candidates is None or tier.name in r.candidates or tier.remote]
             if not ask:
                 continue
-            asking.append(tier)
-            try:
-                parts = split_evenly(ask, READ_PARTS)
-                bad_parts = await asyncio.gather(*(self._read_part(tier, list(part)) for part in parts))
-            finally:
-                asking.remove(tier)
-            bad = [name for part in bad_parts for name in part]
+            with batch.lock:
+                if batch.timed_out:
+                    return
+                batch.asking[index] = tier
+            bad = self._read_from(tier, ask)
             if bad:
-                await tier.delete(bad)
+                tier.delete(bad)
             pending = [r for r in pending if r.tier is None]
             if not pending:
-                break
-        for read in reads:
-            if read.state is ReadState.TIMED_OUT:
-                self._parts.memory.abort(read.slot)
-            else:
-                read.state = ReadState.OK if read.tier is not None else ReadState.FAILED
+                return
 
-    async def _read_part(self, tier: RecordTier, ask: list[RecordRead]) -> list[str]:
-        """Read one part of a batch from `tier` and verify its records as soon as they
-        are in, while the other parts are still being read; the names of bad records.
-        A record whose blocks can land where they are going (`RecordRead.place`) and that
-        the tier can read without waiting goes there instead of through its slot."""
+    def _read_from(self, tier: RecordTier, ask: list[RecordRead]) -> list[str]:
+        """Read `ask` from `tier` into their slots (or their destinations) and verify them;
+        the names of bad records."""
         memory, codec = self._parts.memory, self._parts.codec
         bad: list[str] = []
-        placeable = [r for r in ask if r.place is not None]
-        if placeable:
-            outcomes = await in_read_thread(lambda: [self._place(tier, r) for r in placeable])
-            for read, outcome in zip(placeable, outcomes, strict=True):
-                if isinstance(outcome, RecordError):
-                    self._reject(tier, read, outcome, bad)
-                elif outcome is not None:
-                    self._parts.counters.add(placed_records=1)
-                    self._accept(tier, read, outcome)
-            ask = [r for r in ask if r.tier is None and r.name not in bad]
+        for read in [r for r in ask if r.destination is not None]:
+            outcome = self._place(tier, read)
+            if isinstance(outcome, RecordError):
+                self._reject(tier, read, outcome, bad)
+            elif outcome is not None:
+                self._parts.counters.add(placed_records=1)
+                read.placed = True
+                self._accept(tier, read, outcome)
+        ask = [r for r in ask if r.tier is None and r.name not in bad]
+        if not ask:
+            return bad
         regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
-        records = await tier.get([r.name for r in ask], regions) if ask else []
+        records = tier.get([r.name for r in ask], regions)
         for read, record in zip(ask, records, strict=True):
             header = self._settle(tier, read, record, bad)
             if header is not None:
@@ -166,35 +250,33 @@ class Loader:
         return bad
 
     def _place(self, tier: RecordTier, read: RecordRead) -> RecordHeader | RecordError | None:
-        """Try reading `read`'s record straight to where its blocks go (a read thread):
-        its header once verified there, the error of a bad record, None when it could not
-        be placed (the slot path reads it)."""
-        codec, slot = self._parts.codec, self._parts.memory.buffer(read.slot)
-        placed: list[RecordHeader] = []
-
-        def fill(destinations: Mapping[int, memoryview]) -> bool:
-            pieces = codec.scatter(slot, read.num_blocks, destinations)
+        """Try reading `read`'s record straight into its destination: its header once
+        verified there, the error of a bad record, None when it could not be placed."""
+        blocks = read.destination.claim()  # type: ignore[union-attr]
+        if blocks is None:
+            return None
+        placed = False
+        try:
+            codec = self._parts.codec
+            pieces = codec.scatter(self._parts.memory.buffer(read.slot), read.num_blocks, blocks)
             length = tier.read_in_place(read.name, pieces)
             header = None if length is None else codec.verify_scattered(
                 self._parts.block_hash_of(read.name), pieces, length)
-            if header is None:
-                return False
-            _check_against_index(header, read)
-            placed.append(header)
-            return True
-
-        try:
-            read.place(fill)  # type: ignore[misc]
+            if header is not None:
+                _check_against_index(header, read)
+                placed = True
+            return header
         except RecordError as exc:
             return exc
-        return placed[0] if placed else None
+        finally:
+            read.destination.release(placed)  # type: ignore[union-attr]
 
     def _settle(self, tier: RecordTier, read: RecordRead, record: Buffer | None, bad: list[str]) -> RecordHeader | None:
         """Verify `record` in `read`'s slot: its header, or None for a miss or a bad
-        record (counted, and the index told that `tier` does not hold it)."""
+        record (counted, and noted as a miss of `tier`)."""
         if record is None:
             tier.counters.add(misses=1)
-            self._forget(tier, read)
+            self._parts.findings.put(Finding(read.name, tier.name))
             return None
         try:
             slot = self._parts.memory.buffer(read.slot)
@@ -206,13 +288,10 @@ class Loader:
         return header
 
     def _accept(self, tier: RecordTier, read: RecordRead, header: RecordHeader) -> None:
-        """A verified record: counted, indexed in `tier`, and reported arrived."""
         tier.counters.add(hits=1)
-        name, first, hashes, tier_name = read.name, header.first_block, header.block_hashes, tier.name
-        self._parts.post(lambda index: index.add(name, first, hashes, tier_name))
+        self._parts.findings.put(Finding(read.name, tier.name, header.first_block, header.block_hashes))
+        read.header = header
         read.tier = tier.name
-        if read.on_arrival is not None:
-            read.on_arrival()
 
     def _reject(self, tier: RecordTier, read: RecordRead, exc: RecordError, bad: list[str]) -> None:
         tier.counters.add(misses=1, **{exc.counter: 1})
@@ -221,15 +300,7 @@ class Loader:
             read.name, tier.name, type(exc).__name__, exc,
         )
         bad.append(read.name)
-        self._forget(tier, read)
-
-    def _forget(self, tier: RecordTier, read: RecordRead) -> None:
-        name, tier_name = read.name, tier.name
-
-        def forget(index: BlockIndex) -> None:
-            index.discard([name], tier_name)
-
-        self._parts.post(forget)
+        self._parts.findings.put(Finding(read.name, tier.name))
 
 
 def _check_against_index(header: RecordHeader, read: RecordRead) -> None:
@@ -243,4 +314,3 @@ def _check_against_index(header: RecordHeader, read: RecordRead) -> None:
             f"record {read.name} holds blocks {header.first_block}+{header.num_blocks}, "
             f"the index expected {read.first_block}+{read.num_blocks} with other hashes"
         )
-

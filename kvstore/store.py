@@ -4,11 +4,13 @@ Metadata apart from data (docs/ARCHITECTURE.md, KV store). The engine thread cal
 public method. What the scheduler asks (`locate`, `has_record`, `lookup`) is answered
 from the in-memory BlockIndex, after `poll` has applied what the I/O side reported; it
 never waits on I/O. Data moves through host slots (tiers.cpu): `open_load` references
-the slots of records in the cpu tier and reads the others into reserved slots on the
-I/O loop; `reserve` / `commit` take a save from the caller's copy into a slot to the
-cpu tier and the write-behind. `probe` asks a remote tier's block index asynchronously.
-I/O runs on an asyncio loop in a daemon thread owned by the store; futures returned here
-cannot be cancelled and resolve when the store no longer touches the slots involved.
+the slots of records in the cpu tier and has the others read into reserved slots by the
+read pool (kvstore.loading); `reserve` / `commit` take a save from the caller's copy into
+a slot to the cpu tier and the write-behind's pool (kvstore.saving). `probe` asks a
+remote tier's block index on the read pool. Three kinds of store threads, no event loop:
+the read pool, the write pool and one upkeep thread (kvstore.upkeep). What they find
+(records read, written, scanned, probed) reaches the index only on the engine thread,
+when it polls or settles a load: the index is never touched from another thread.
 
 Failure model: a missing, corrupt, foreign or unreadable record, a slow or dead tier, is
 a miss (counted per tier), never an exception. Exceptions are raised only for misuse: a
@@ -18,14 +20,14 @@ tensor that does not match the ChunkSpec (ChunkSpecError) or a closed store
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import queue
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,13 +37,13 @@ from kvstore.config import StoreConfig, build_memory, build_record_tiers
 from kvstore.errors import RecordError, StoreClosedError, StoreConfigError
 from kvstore.index import BlockIndex, BlockLocation, StoredRecord
 from kvstore.keys import ChunkKey, ChunkKeyer
-from kvstore.loading import Loader, ReadState, RecordRead
-from kvstore.parts import StoreParts
+from kvstore.loading import Destination, Loader, ReadBatch, ReadState, RecordRead
+from kvstore.parts import Finding, StoreParts
 from kvstore.record import RecordCodec, parse_head
-from kvstore.runtime import IoRuntime, pending_future, resolved
-from kvstore.saving import SaveResult, WriteBehind
+from kvstore.saving import SaveResult, WriteBehind, resolved
 from kvstore.spec import ChunkSpec, host_copy
 from kvstore.stats import StoreCounters, StoreSnapshot
+from kvstore.upkeep import Upkeep
 from tiers.base import RecordTier, Tier, check_key
 from tiers.cpu import ALREADY_PRESENT, NO_ROOM, CpuTier
 from tiers.errors import TierConfigError
@@ -103,13 +105,13 @@ class LoadPart:
 
 @dataclass(eq=False)
 class Load:
-    """Records opened for one load, in block order; `future` is done when every read is
-    (at once when they all were in the cpu tier). `blocked`: the load stops short at a
+    """Records opened for one load, in block order; done when every read is settled (at
+    once when they all were in the cpu tier). `blocked`: the load stops short at a
     record that another load or a prefetch is reading into the cpu tier, so opening it
     again once that read is settled covers more."""
 
     parts: list[LoadPart]
-    future: Future[None]
+    batch: ReadBatch | None  # the reads of its parts not in the cpu tier
     blocked: bool = False
     start: Callable[[], None] = lambda: None  # begins the reads (once; opened unstarted)
 
@@ -117,24 +119,36 @@ class Load:
     def num_blocks(self) -> int:
         return sum(part.count for part in self.parts)
 
+    @property
+    def futures(self) -> list[Future[None]]:
+        """The read pool's tasks of this load (to wait on; none before it starts)."""
+        return [] if self.batch is None else list(self.batch.futures)
+
+    @property
+    def deadline(self) -> float:
+        """When the load is settled whatever its reads do (time.monotonic)."""
+        return -float("inf") if self.batch is None else self.batch.deadline
+
     def done(self) -> bool:
-        return self.future.done()
+        return self.batch is None or self.batch.done()
 
-    def on_arrival(self, callback: Callable[[int], None]) -> None:
-        """From now on, call `callback(part index)` on the store's I/O thread as each part
-        still being read arrives, verified, in its slot (before the load is done; a part
-        already in, or from the cpu tier, is not reported). The callback must not block."""
-        for index, part in enumerate(self.parts):
-            if part.read is not None:
-                part.read.on_arrival = lambda index=index: callback(index)
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """`ReadBatch.wait` of its reads (done at once without any)."""
+        return self.batch is None or self.batch.wait(timeout_s)
 
-    def place_with(self, place: Callable[[int, Callable[[Mapping[int, memoryview]], bool]], bool]) -> None:
-        """Offer each part still being read a place in the caller's memory: the loader
-        may call `place(part index, fill)` on a read thread instead of reading the record
-        into its slot (see `RecordRead.place`)."""
-        for index, part in enumerate(self.parts):
-            if part.read is not None:
-                part.read.place = lambda fill, index=index: place(index, fill)
+    def arrival(self, index: int) -> Future[None] | None:
+        """The task reading part `index`, done once its record arrived verified in its
+        slot or missed (None for a part from the cpu tier, or before the load starts).
+        A worker may copy the part out from a callback of its own on it."""
+        read = self.parts[index].read
+        return None if read is None or self.batch is None else self.batch.part_of(read)
+
+    def offer(self, index: int, destination: Destination) -> None:
+        """Before the load starts: part `index` may be read straight into `destination`
+        (kvstore.loading) rather than into its slot."""
+        read = self.parts[index].read
+        if read is not None:
+            read.destination = destination
 
     def arrived_blocks(self) -> int:
         """Blocks of the leading run of parts that arrived (once done)."""
@@ -193,24 +207,25 @@ class TieredStore:
         self._recoveries = {t.name: t.health.recoveries for t in self.lower if t.remote}
         self.counters = StoreCounters()
         self._closed = False
-        self._prefetches: list[tuple[Future[None], list[RecordRead]]] = []
+        self._prefetches: list[ReadBatch] = []
         self._reading: dict[str, RecordRead] = {}  # started, not settled yet
-        self._probe_timeout_logged = False  # see _probe
+        self._probes: list[_Probe] = []  # out, not applied yet
+        self._probe_timeout_logged = False  # see _probe_timed_out
         # Records a prefetch read into the cpu tier, and the tier each came from: the load
         # that first takes one counts it for that tier (it came from there for the request
         # the prefetch was for), later loads for the cpu tier.
         self._prefetched: dict[str, str] = {}
-        self._runtime = IoRuntime()
-        self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self._runtime, self.counters)
-        self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes)
+        self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self.counters)
+        self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes, self.config.write_workers)
         self._loader = Loader(self._parts)
-        self._writer.start(self.config.write_workers)
-        listable = [t for t in self.lower if self._scan_now(t)]
+        self._upkeep = Upkeep()
+        listable = [t for t in self.lower if self._discover(t)]
+        self.poll()
         for tier in [memory, *self.lower]:  # the memory tier's, whether it retains or stages
-            for name, factory in tier.workers():
-                self._runtime.supervise(name, factory)
+            for name, step in tier.upkeep():
+                self._upkeep.every(name, step)
         if listable:
-            self._runtime.supervise("index-refresh", lambda: self._refresh_forever(listable))
+            self._upkeep.every("index-refresh", lambda: self._refresh(listable), self.config.refresh_interval_s)
 
     @classmethod
     def from_options(cls, spec: ChunkSpec, **options: Any) -> TieredStore:
@@ -247,23 +262,18 @@ class TieredStore:
     # metadata: in memory, engine thread -------------------------------------------------
 
     def poll(self) -> None:
-        """Apply what the I/O side reported (writes, reads, scans, probes), what the tiers
-        dropped, and finish the prefetches that are done. A remote tier that was
+        """Apply what the pools and the upkeep thread found (writes, scans, probes), what
+        the tiers dropped, and settle the prefetches that are done. A remote tier that was
         unreachable since the last poll may have lost anything meanwhile (a Redis restarted
         empty, a failover): what the index knew of it is dropped, so that its records are
         saved again (its put skips those it still holds) and probed for again. The
-        recoveries are read before the events are applied and acted on after: an event of
-        before the outage (a write to the Redis that then restarted) is no belief to keep."""
+        recoveries are read before the findings are applied and acted on after: a finding
+        of before the outage (a write to the Redis that then restarted) is no belief to keep."""
         recovered = [
             (t.name, t.health.recoveries) for t in self.lower
             if t.name in self._recoveries and t.health.recoveries != self._recoveries[t.name]
         ]
-        while True:
-            try:
-                event = self._parts.events.get_nowait()
-            except queue.Empty:
-                break
-            event(self.index)
+        self._apply_findings()
         for tier in self.tiers:
             removed = tier.take_removed()
             if removed:
@@ -274,13 +284,28 @@ class TieredStore:
         for name, recoveries in recovered:
             self._recoveries[name] = recoveries
             self.index.drop_tier(name)
-        done = [p for p in self._prefetches if p[0].done()]
+        done = [batch for batch in self._prefetches if batch.done()]
         if done:
-            self._prefetches = [p for p in self._prefetches if not p[0].done()]
-            for _, reads in done:
-                self.counters.add(prefetch_records=sum(r.state is ReadState.OK for r in reads))
-                self._settle_reads(reads)
-                self._prefetched.update((r.name, r.tier) for r in reads if r.state is ReadState.OK)
+            self._prefetches = [batch for batch in self._prefetches if batch not in done]
+            for batch in done:
+                self.counters.add(prefetch_records=sum(r.state is ReadState.OK for r in batch.reads))
+                self._settle_reads(batch.reads)
+                self._prefetched.update((r.name, r.tier) for r in batch.reads if r.state is ReadState.OK)
+
+    def _apply_findings(self) -> None:
+        """What the pools and the upkeep thread found (records read or missed, written,
+        scanned or gone) and what the answered probes found, into the index."""
+        while True:
+            try:
+                finding = self._parts.findings.get_nowait()
+            except queue.Empty:
+                break
+            if finding.block_hashes is None:
+                self.index.discard([finding.name], finding.tier)
+            else:
+                self.index.add(finding.name, finding.first_block, finding.block_hashes, finding.tier)
+        if self._probes:
+            self._probes = [p for p in self._probes if not self._settle_probe(p)]
 
     def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> list[BlockLocation]:
         """The leading run of blocks `start..end-1` of a sequence that the store holds."""
@@ -314,10 +339,13 @@ class TieredStore:
         if not tiers or start >= end:
             return None
         self.counters.add(probes=1)
-        hashes = list(block_hashes[start:end])
-        future: Future[int] = pending_future()
-        self._runtime.spawn(self._probe(tiers, hashes, start, future))
-        return future
+        answer = _ProbeAnswer(time.monotonic() + self.config.lookup_timeout_s)
+        probe = _Probe(list(block_hashes[start:end]), start, tiers, answer)
+        answer.on_timeout = lambda: self._probe_timed_out(probe.asking)
+        probe.task = self._loader.submit(lambda: self._ask_index(probe))
+        probe.task.add_done_callback(lambda task: probe.answer.answer(len(task.result())))
+        self._probes.append(probe)
+        return probe.answer
 
     # data ------------------------------------------------------------------------------
 
@@ -325,7 +353,7 @@ class TieredStore:
         """Open the records holding `run` (from `locate`): a record in the cpu tier is
         held as it is, the others are read into reserved slots. The load covers the
         leading part of `run` that got a slot. Give it back with `close_load`. With
-        `start` False its reads wait for `Load.start` (its future is not done before)."""
+        `start` False its reads wait for `Load.start` (it is not done before)."""
         self._check_open()
         parts: list[LoadPart] = []
         reads: list[RecordRead] = []
@@ -344,17 +372,18 @@ class TieredStore:
                 reads.append(part.read)
         self.counters.add(loads=1, load_records=len(reads))
         if not reads:
-            return Load(parts, resolved(None), blocked)
-        future, begin = self._loader.prepare(reads, timeout_s or self.config.load_timeout_s)
+            return Load(parts, None, blocked)
+        batch = self._loader.batch(reads, timeout_s or self.config.load_timeout_s)
+        load = Load(parts, batch, blocked, lambda: self._loader.start(batch))
         if start:
-            begin()
-        return Load(parts, future, blocked, begin)
+            load.start()
+        return load
 
     @property
     def keeps_loaded_records(self) -> bool:
         """Whether a record read for a load stays in the cpu tier afterwards (promotion,
         from its slot); if not, a load may have it read straight to where its blocks go
-        (`Load.place_with`)."""
+        (`Load.offer`)."""
         return self.memory.retain and self.config.promote
 
     def view(self, part: LoadPart) -> torch.Tensor:
@@ -362,7 +391,7 @@ class TieredStore:
         return self._payload(part.slot, part.position, part.count)
 
     def close_load(self, load: Load, copy_seconds: float | None = None) -> None:
-        """Give back a load whose future is done: records read from a lower tier are
+        """Give back a load that is done: records read from a lower tier are
         kept in the cpu tier (promotion, no copy), the slots are released.
         `copy_seconds`: how long copying its cpu-tier blocks out took (get latency)."""
         self.counters.add(load_hit_records=sum(p.read is not None and p.tier is not None for p in load.parts))
@@ -374,8 +403,8 @@ class TieredStore:
                 self.memory.release(part.slot)
         self._settle_reads([p.read for p in load.parts if p.read is not None])
 
-    def prefetch(self, records: Sequence[StoredRecord]) -> Future[None] | None:
-        """Read these records into the cpu tier in the background; the future is done when
+    def prefetch(self, records: Sequence[StoredRecord]) -> ReadBatch | None:
+        """Read these records into the cpu tier in the background; the batch is done when
         they are in (None: nothing to read, or no cpu tier to read into)."""
         self._check_open()
         if not self.memory.retain or not self.config.promote:
@@ -390,11 +419,12 @@ class TieredStore:
             reads.append(read)
         if not reads:
             return None
-        future = self._loader.read(reads, self.config.load_timeout_s)
-        self._prefetches.append((future, reads))
-        return future
+        batch = self._loader.batch(reads, self.config.load_timeout_s)
+        self._loader.start(batch)
+        self._prefetches.append(batch)
+        return batch
 
-    def prefetch_run(self, run: Sequence[BlockLocation]) -> Future[None] | None:
+    def prefetch_run(self, run: Sequence[BlockLocation]) -> ReadBatch | None:
         """`prefetch` of the records holding a run of blocks (from `locate`)."""
         return self.prefetch(list({id(loc.record): loc.record for loc in run}.values()))
 
@@ -465,8 +495,8 @@ class TieredStore:
         self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor], timeout_s: float | None = None
     ) -> Future[LoadResult]:
         """Copy the records of `keys` into `outs` (caller tensors `[n, *block shape]`),
-        reading by name from the first tier that has them. Do not touch `outs` until the
-        future is done; it always completes, within `timeout_s` plus one record's decode."""
+        reading by name from the first tier that has them. Returns once they are copied,
+        within `timeout_s` plus one record's decode, with a future that is done."""
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output tensors")
@@ -490,29 +520,23 @@ class TieredStore:
             reads.append(read)
         started = [r for r in reads if r is not None]
         self.counters.add(loads=1, load_records=len(started))
-        done = self._loader.read(started, timeout_s or self.config.load_timeout_s) if started else resolved(None)
-        result: Future[LoadResult] = pending_future()
-
-        def finish(_: Future[None]) -> None:
-            tiers: list[str | None] = []
-            for key, out, slot, read in zip(keys, outs, held, reads, strict=True):
-                arrived = slot is not None and (read is None or read.state is ReadState.OK)
-                if arrived:
-                    host_copy(out[: key.num_blocks], self.payload(slot, key.num_blocks))
-                    if read is None:
-                        self.memory.counters.add(hits=1, bytes_read=key.num_blocks * self.spec.block_bytes)
-                tiers.append((CpuTier.name if read is None else read.tier) if arrived else None)
-            self._parts.post(lambda _index: self._give_back(held, reads))
-            result.set_result(LoadResult(tuple(tiers)))
-
-        done.add_done_callback(finish)
-        return result
-
-    def _give_back(self, held: Sequence[int | None], reads: Sequence[RecordRead | None]) -> None:
+        if started:
+            batch = self._loader.batch(started, timeout_s or self.config.load_timeout_s)
+            self._loader.start(batch)
+            batch.wait()
+        tiers: list[str | None] = []
+        for key, out, slot, read in zip(keys, outs, held, reads, strict=True):
+            arrived = slot is not None and (read is None or read.state is ReadState.OK)
+            if arrived:
+                host_copy(out[: key.num_blocks], self.payload(slot, key.num_blocks))
+                if read is None:
+                    self.memory.counters.add(hits=1, bytes_read=key.num_blocks * self.spec.block_bytes)
+            tiers.append((CpuTier.name if read is None else read.tier) if arrived else None)
         for slot, read in zip(held, reads, strict=True):
             if slot is not None and read is None:
                 self.memory.release(slot)
-        self._settle_reads([r for r in reads if r is not None])
+        self._settle_reads(started)
+        return resolved_load(LoadResult(tuple(tiers)))
 
     # control -----------------------------------------------------------------------------
 
@@ -538,22 +562,17 @@ class TieredStore:
         """Start dropping every unpinned record of this model, chunk size and format from
         the given tiers (default all); other models sharing a directory or Redis are left
         alone. Returns at once with the future of the count per tier: the clears run on the
-        I/O loop (a Redis SCAN of millions of keys takes tens of seconds, which must not
-        stall the engine thread that calls this), and the index forgets the removed records
-        at the next `poll`. Cancelling the future stops the clear where it is."""
+        upkeep thread (a Redis SCAN of millions of keys takes tens of seconds, which must
+        not stall the engine thread that calls this), and the index forgets the removed
+        records at the next `poll`. Cancelling the future before the clear starts skips it."""
         self._check_open()
         chosen = [t for t in self.tiers if tiers is None or t.name in tiers]
-        return self._runtime.submit(self._clear(chosen))
-
-    async def _clear(self, tiers: Sequence[Tier]) -> dict[str, int]:
-        return {t.name: await t.clear(self.keyer.namespace) for t in tiers}
+        return self._upkeep.submit(lambda: {t.name: t.clear(self.keyer.namespace) for t in chosen})
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every pending write is done; False on timeout."""
         self._check_open()
-        try:
-            self._runtime.call(self._writer.drain(), timeout_s)
-        except TimeoutError:
+        if not self._writer.drain(timeout_s):
             return False
         self.poll()
         return True
@@ -566,7 +585,7 @@ class TieredStore:
             tiers={t.name: t.snapshot(tokens) for t in self.tiers},
             pinned_chunks=len(self.pins),
             pending_write_bytes=self._writer.pending_bytes,
-            worker_restarts=self._runtime.restarts(),
+            worker_restarts=self._upkeep.restarts(),
         )
 
     def health(self) -> dict[str, str]:
@@ -581,7 +600,7 @@ class TieredStore:
         for tier in self.lower:
             if tier.remote:
                 try:
-                    answered = self._runtime.call(tier.probe(), timeout_s)
+                    answered = self._upkeep.submit(tier.probe).result(timeout_s)
                 except TimeoutError:
                     answered = False
                 if not answered:
@@ -589,18 +608,21 @@ class TieredStore:
         return down
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Finish pending writes (up to `timeout_s`), then cancel what is left: a
-        cancelled disk write leaves only a temporary file, never a torn record."""
+        """Finish pending writes (up to `timeout_s`), then drop what is left: a write
+        still under way leaves at worst a temporary file, never a torn record."""
         if self._closed:
             return
         if not self.drain(timeout_s):
-            log.warning("kvstore close: pending writes did not finish in %.1fs; cancelling", timeout_s)
+            log.warning("kvstore close: pending writes did not finish in %.1fs; dropping them", timeout_s)
         self._closed = True
-        self._runtime.cancel_tasks(timeout_s)
-        with contextlib.suppress(TimeoutError):
-            self._runtime.call(self._close_tiers(), timeout_s)
-        self._runtime.stop(timeout_s)
-        self._writer.abandon_queued()
+        self._upkeep.close(timeout_s)
+        self._loader.close()
+        self._writer.close()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:
+                log.debug("closing the %s tier failed: %s", tier.name, exc)
 
     def __enter__(self) -> TieredStore:
         return self
@@ -651,39 +673,31 @@ class TieredStore:
         keep = self.keeps_loaded_records
         for read in reads:
             self._reading.pop(read.name, None)
-            if read.state is ReadState.OK and keep:
+            if read.state is ReadState.TIMED_OUT:
+                continue
+            if read.state is ReadState.OK and keep and not read.placed:
                 self.memory.commit(read.slot)
                 self.memory.release(read.slot)
                 self.index.add(read.name, read.first_block, self._known_hashes(read), self.memory.name)
                 self.counters.add(promotions=1)
-            elif read.state is not ReadState.TIMED_OUT:
+            else:
                 self.memory.abort(read.slot)
 
     def _known_hashes(self, read: RecordRead) -> Sequence[bytes | None]:
         record = self.index.get(read.name)
         return record.block_hashes if record is not None else read.known_hashes
 
-    def _scan_now(self, tier: RecordTier) -> bool:
-        """Index what a listable tier holds, synchronously (at start); False for a tier
-        that cannot be listed."""
-        listable = self._runtime.call(self._discover(tier), None)
-        self.poll()
-        return listable
+    def _refresh(self, tiers: Sequence[RecordTier]) -> float:
+        """The upkeep step that rescans listable tiers; the seconds until the next."""
+        for tier in tiers:
+            self._discover(tier)
+        return self.config.refresh_interval_s
 
-    async def _refresh_forever(self, tiers: Sequence[RecordTier]) -> None:
-        while True:
-            await asyncio.sleep(self.config.refresh_interval_s)
-            for tier in tiers:
-                try:
-                    await self._discover(tier)
-                except RuntimeError:  # executors refuse work: the interpreter is exiting
-                    return
-
-    async def _discover(self, tier: RecordTier) -> bool:
-        """Scan a listable tier: records of this store whose head verifies go to the
-        index, the others are counted on the tier and deleted, vanished ones are
-        forgotten. False if the tier cannot be listed."""
-        scan = await tier.scan()
+    def _discover(self, tier: RecordTier) -> bool:
+        """Scan a listable tier: records of this store whose head verifies are for the
+        index (at the next `poll`), the others are counted on the tier and deleted,
+        vanished ones are to be forgotten. False if the tier cannot be listed."""
+        scan = tier.scan()
         if scan is None:
             return False
         found: list[tuple[str, int, tuple[bytes, ...]]] = []
@@ -702,43 +716,40 @@ class TieredStore:
                 continue
             found.append((name, header.first_block, header.block_hashes))
         if bad:
-            await tier.delete(bad)
-        if found or scan.gone:
-            tier_name, gone = tier.name, scan.gone
-
-            def apply(index: BlockIndex) -> None:
-                for name, first_block, hashes in found:
-                    index.add(name, first_block, hashes, tier_name)
-                index.discard(gone, tier_name)
-
-            self._parts.post(apply)
+            tier.delete(bad)
+        for name, first_block, hashes in found:
+            self._parts.findings.put(Finding(name, tier.name, first_block, hashes))
+        for name in scan.gone:
+            self._parts.findings.put(Finding(name, tier.name))
         return True
 
-    async def _probe(self, tiers: list[RecordTier], hashes: list[bytes], start: int, future: Future[int]) -> None:
+    def _ask_index(self, probe: _Probe) -> list[tuple[bytes, int, str, int, str]]:
+        """The probe's task on the read pool: what each remote tier's block index says
+        of its blocks, as (block hash, block, record name, blocks, tier)."""
         found: list[tuple[bytes, int, str, int, str]] = []
-        tier = tiers[0]  # the one being asked when the timeout strikes
         try:
-            async with asyncio.timeout(self.config.lookup_timeout_s):
-                for tier in tiers:
-                    entries = await tier.get_index([self.keyer.name(h) for h in hashes])
-                    for offset, entry in enumerate(entries):
-                        parsed = self._parse_index_entry(entry)
-                        if parsed is not None:
-                            found.append((hashes[offset], start + offset, parsed[1], parsed[0], tier.name))
-        except TimeoutError:
-            self._probe_timed_out(tier)
+            for tier in probe.tiers:
+                probe.asking = tier
+                entries = tier.get_index([self.keyer.name(h) for h in probe.hashes])
+                for offset, entry in enumerate(entries):
+                    parsed = self._parse_index_entry(entry)
+                    if parsed is not None:
+                        found.append((probe.hashes[offset], probe.start + offset, parsed[1], parsed[0], tier.name))
         except Exception:
             self.counters.add(internal_errors=1)
             log.exception("kvstore probe failed")
-        finally:
-            if found:
-                def learn(index: BlockIndex) -> None:
-                    for block_hash, block, name, num_blocks, tier_name in found:
-                        index.learn_block(block_hash, block, name, num_blocks, tier_name)
+        return found
 
-                self._parts.post(learn)
-            self.counters.add(probe_hit_blocks=len(found))
-            future.set_result(len(found))
+    def _settle_probe(self, probe: _Probe) -> bool:
+        """Learn what a probe found once its task is done, even after its answer timed
+        out. Whether the probe is settled."""
+        if probe.task is None or not probe.task.done():
+            return False
+        found = probe.task.result()
+        for block_hash, block, name, num_blocks, tier_name in found:
+            self.index.learn_block(block_hash, block, name, num_blocks, tier_name)
+        self.counters.add(probe_hit_blocks=len(found))
+        return True
 
     def _probe_timed_out(self, tier: RecordTier) -> None:
         """A probe that ran past the lookup timeout answers "not found": a block another
@@ -779,15 +790,70 @@ class TieredStore:
         if self._closed:
             raise StoreClosedError("the KV store is closed")
 
-    async def _close_tiers(self) -> None:
-        results = await asyncio.gather(*(t.aclose() for t in self.tiers), return_exceptions=True)
-        for tier, result in zip(self.tiers, results, strict=True):
-            if isinstance(result, Exception):
-                log.debug("closing the %s tier failed: %s", tier.name, result)
+
+class _ProbeAnswer(Future[int]):
+    """How many blocks a probe found; 0 once the lookup timeout passes first: whoever
+    looks (`done`, `result`) after the deadline settles it so, without a thread of its
+    own that would wait for the deadline."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+        self.on_timeout: Callable[[], None] = lambda: None  # counts and logs it
+        self._lock = threading.Lock()
+
+    def answer(self, blocks: int) -> None:
+        """The first answer stands (the task's, or the timeout's)."""
+        with self._lock:
+            if not super().done():
+                self.set_result(blocks)
+
+    def expire(self) -> None:
+        with self._lock:
+            if super().done():
+                return
+            self.set_result(0)
+        self.on_timeout()
+
+    def done(self) -> bool:
+        if not super().done() and time.monotonic() >= self.deadline:
+            self.expire()
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> int:
+        left = max(0.0, self.deadline - time.monotonic())
+        if timeout is not None and timeout < left:
+            return super().result(timeout)
+        with contextlib.suppress(TimeoutError):
+            return super().result(left)
+        self.expire()
+        return super().result()
+
+
+@dataclass(eq=False)
+class _Probe:
+    """A probe of the remote tiers' block indexes: blocks from `start` on, asked on the
+    read pool."""
+
+    hashes: list[bytes]
+    start: int
+    tiers: list[RecordTier]
+    answer: _ProbeAnswer
+    asking: RecordTier = field(init=False)  # the tier being asked
+    task: Future[list[tuple[bytes, int, str, int, str]]] | None = None
+
+    def __post_init__(self) -> None:
+        self.asking = self.tiers[0]
+
+
+def resolved_load(result: LoadResult) -> Future[LoadResult]:
+    future: Future[LoadResult] = Future()
+    future.set_result(result)
+    return future
 
 
 def _gather_saves(futures: list[Future[frozenset[str]]], all_tiers: frozenset[str]) -> Future[SaveResult]:
-    result: Future[SaveResult] = pending_future()
+    result: Future[SaveResult] = Future()
     remaining = [len(futures)]
 
     def one_done(_: Future[frozenset[str]]) -> None:

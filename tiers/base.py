@@ -5,9 +5,11 @@ Keys are opaque strings of `[0-9A-Za-z._-]` (the store derives them from record 
 - `Tier`: membership, deletion, capacity, usage, stats, health, and `take_removed` (the
   names the tier stopped holding since the last call: evictions, deletions, files found
   gone), which is how the store's in-memory index follows the tier without asking it.
-- `RecordTier` (disk, redis) stores self-describing encoded records; its data methods
-  are coroutines run on the store's I/O loop. They never raise on I/O failure: a failed
-  get is a None, a failed put is False, and the failure is counted and fed to `health`.
+- `RecordTier` (disk, redis) stores self-describing encoded records. Its methods are
+  plain blocking calls on batches, made from the store's thread pools (a read from its
+  read pool, a write from its write pool): `get` reads records into the buffers it is
+  given and returns what it read. They never raise on I/O failure: a failed get is a
+  None, a failed put is False, and the failure is counted and fed to `health`.
   A record tier may also list what it holds (`scan`, for a directory) and keep a block
   index next to the records (`put(..., blocks=...)`, `get_index`, for a shared tier that
   other processes write to and that cannot be listed cheaply).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -32,7 +34,10 @@ from tiers.stats import TierCounters, TierSnapshot
 T = TypeVar("T")
 
 Buffer = bytes | bytearray | memoryview
-Worker = tuple[str, Callable[[], Awaitable[None]]]
+# Background upkeep a tier needs (name, step): the store's maintenance thread calls `step`,
+# which does one short piece of work and answers the seconds until its next call (None:
+# never again).
+Upkeep = tuple[str, Callable[[], float | None]]
 IndexEntry = tuple[str, bytes]  # (block name, what the tier keeps for it)
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z._-]{1,200}$")
@@ -83,30 +88,30 @@ class Tier(ABC):
     def entries(self) -> int: ...
 
     @abstractmethod
-    async def contains(self, keys: Sequence[str]) -> list[bool]: ...
+    def contains(self, keys: Sequence[str]) -> list[bool]: ...
 
     @abstractmethod
-    async def delete(self, keys: Sequence[str]) -> int:
+    def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys` (pinned or not); returns how many were present."""
 
     @abstractmethod
-    async def clear(self, prefix: str = "") -> int:
+    def clear(self, prefix: str = "") -> int:
         """Remove every unpinned key that starts with `prefix`; returns how many."""
 
     def take_removed(self) -> list[str]:
         """Names this tier stopped holding since the last call (thread-safe)."""
         return []
 
-    def workers(self) -> Sequence[Worker]:
-        """Long-running coroutines (name, factory) the store runs and supervises."""
+    def upkeep(self) -> Sequence[Upkeep]:
+        """Background work (name, step) the store's maintenance thread runs."""
         return ()
 
-    async def probe(self) -> bool:
+    def probe(self) -> bool:
         """Ask the tier's server whether it answers now (its health follows the answer);
         a tier without a server answers True."""
         return True
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Release connections and file handles; the tier is unusable afterwards."""
         return None
 
@@ -127,10 +132,10 @@ class Tier(ABC):
 
 
 class RecordTier(Tier):
-    """A tier of encoded records (bytes), accessed with batched coroutines."""
+    """A tier of encoded records (bytes), accessed with blocking batch calls."""
 
     @abstractmethod
-    async def get(
+    def get(
         self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         """The record of each key, or None (absent, unreadable, tier unavailable).
@@ -141,7 +146,7 @@ class RecordTier(Tier):
         writes into the buffers any more."""
 
     @abstractmethod
-    async def put(
+    def put(
         self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
     ) -> list[bool]:
         """Store records; True where the tier holds the key afterwards. Records are
@@ -157,11 +162,11 @@ class RecordTier(Tier):
         written even when it answers None."""
         return None
 
-    async def scan(self) -> Scan | None:
+    def scan(self) -> Scan | None:
         """Records found and gone since the previous scan (the first scan lists every
         record), or None for a tier that cannot be listed."""
         return None
 
-    async def get_index(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_index(self, names: Sequence[str]) -> list[bytes | None]:
         """The block index entry of each block name, None where there is none."""
         return [None] * len(names)

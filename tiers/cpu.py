@@ -5,7 +5,8 @@ eviction policy (tiers.eviction: lru or arc).
 The slab is allocated once (pinned when CUDA exists, so device copies can be
 asynchronous; cupy's pinned allocator when installed, because torch's caching host
 allocator rounds a request up to a power of two); a plain slab hands out fresh slots in
-order and has their pages faulted in ahead of use by a store worker (`cpu-populate`), so
+order and has their pages faulted in ahead of use by the store's maintenance thread
+(`cpu-populate`), so
 that no save pays page faults in the engine's step; `make_resident` faults in the whole
 slab at once (a server does at start, as pinning would). A slot holds one record in wire
 layout (kvstore.record: header, payload, room for the MAC); the store decides the
@@ -21,7 +22,6 @@ I/O; `take_removed` reports the names the tier no longer holds (evicted or remov
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import functools
 import logging
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Tier, Worker
+from tiers.base import Tier, Upkeep
 from tiers.errors import TierConfigError
 from tiers.eviction import EvictionPolicy, make_policy
 from tiers.pins import PinTable
@@ -207,13 +207,13 @@ class CpuTier(Tier):
         with self._lock:
             return name in self._index
 
-    async def contains(self, keys: Sequence[str]) -> list[bool]:
+    def contains(self, keys: Sequence[str]) -> list[bool]:
         return [self.has(key) for key in keys]
 
-    async def delete(self, keys: Sequence[str]) -> int:
+    def delete(self, keys: Sequence[str]) -> int:
         return self.remove(keys)
 
-    async def clear(self, prefix: str = "") -> int:
+    def clear(self, prefix: str = "") -> int:
         with self._lock:
             keys = [key for key in self._index if key.startswith(prefix)]
         return self.remove(keys, only_unpinned=True)
@@ -223,29 +223,31 @@ class CpuTier(Tier):
             removed, self._removed = self._removed, []
         return removed
 
-    def workers(self) -> Sequence[Worker]:
+    def upkeep(self) -> Sequence[Upkeep]:
         """Pinned memory is resident from the start; a plain slab is populated ahead."""
-        return (("cpu-populate", self._populate_ahead),) if self.allocation == "plain" else ()
+        return (("cpu-populate", self.populate_ahead),) if self.allocation == "plain" else ()
 
-    async def _populate_ahead(self) -> None:
-        """Keep the pages of the next POPULATE_AHEAD_BYTES of never-used slots faulted in,
-        off the engine thread: a save into a fresh slot otherwise pays a page fault per
-        4 KiB inside the step (its copy ran 4-6x slower than into resident memory)."""
+    def populate_ahead(self) -> float | None:
+        """Fault in the pages of the next never-used slots, one piece per call, keeping
+        POPULATE_AHEAD_BYTES ahead of the highest slot handed out, off the engine thread:
+        a save into a fresh slot otherwise pays a page fault per 4 KiB inside the step.
+        The seconds until the next call; None once the whole slab is populated (or the
+        kernel cannot populate ahead)."""
+        if self._populated >= self.num_slots:
+            return None
         ahead = max(1, POPULATE_AHEAD_BYTES // self.slot_bytes)
         piece = max(1, POPULATE_PIECE_BYTES // self.slot_bytes)
-        while self._populated < self.num_slots:
-            wanted = min(self.num_slots, self._high_water + ahead)
-            if wanted <= self._populated:
-                await asyncio.sleep(POPULATE_POLL_S)
-                continue
-            start, end = self._populated, min(wanted, self._populated + piece)
-            region = self.slab[start * self.slot_bytes : end * self.slot_bytes]
-            try:
-                await asyncio.to_thread(populate_pages, region)
-            except PagePopulateError as exc:
-                log.info("cpu tier: slots are not populated ahead of use (%s)", exc)
-                return
-            self._populated = max(self._populated, end)  # make_resident may have gone further
+        wanted = min(self.num_slots, self._high_water + ahead)
+        if wanted <= self._populated:
+            return POPULATE_POLL_S
+        start, end = self._populated, min(wanted, self._populated + piece)
+        try:
+            populate_pages(self.slab[start * self.slot_bytes : end * self.slot_bytes])
+        except PagePopulateError as exc:
+            log.info("cpu tier: slots are not populated ahead of use (%s)", exc)
+            return None
+        self._populated = max(self._populated, end)  # make_resident may have gone further
+        return 0.0 if self._populated < self.num_slots else None
 
     # ---- slots ----------------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ Layout: `<root>/<last two characters of the key>/<key>.kvc`. A write goes to a t
 `.<key>.<pid>.<random>.tmp` in the same directory and is renamed into place, so a reader
 (in this or another process) sees either no file or a complete one. Records are content
 addressed, so two processes writing the same key write the same bytes and the rename is
-idempotent. A file removed by another process is a miss, not an error. A batch is read
-or written by at most `io_jobs` thread jobs, each handling a group of records, with at
-most `io_jobs` reads and `io_jobs` writes in flight per tier: reads (a request waits
-for them) run on the read threads (tiers.read_threads) and never queue behind writes.
+idempotent. A file removed by another process is a miss, not an error. Every method
+blocks its caller's thread: the store reads from its read pool, in as many concurrent
+batches as it sees fit, and writes from its write pool, so reads never queue behind
+writes.
 
 The in-memory index (key -> size, in the order of its eviction policy, tiers.eviction)
 is rebuilt from the directory at start
@@ -36,7 +36,6 @@ cache, where the filesystem supports it; the index rebuild's head reads stay buf
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import io
@@ -46,17 +45,13 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from itertools import chain
 from pathlib import Path
 
-import aiofiles.os
-
 from tiers import direct_io
-from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key, split_evenly
+from tiers.base import Buffer, IndexEntry, RecordTier, Scan, check_key
 from tiers.errors import TierConfigError
 from tiers.eviction import EvictionPolicy, make_policy
 from tiers.pins import PinTable
-from tiers.read_threads import in_read_thread
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -78,7 +73,6 @@ class DiskTier(RecordTier):
         capacity_bytes: int,
         pins: PinTable | None = None,
         fsync: str = "none",
-        io_jobs: int = 8,
         stale_tmp_s: float = 600.0,
         head_bytes: int = 0,
         direct_io: bool = False,
@@ -112,9 +106,6 @@ class DiskTier(RecordTier):
         self._space_at = -float("inf")
         self._removed: list[str] = []
         self._unscanned = Scan()
-        self._jobs = io_jobs
-        self._read_slots = asyncio.Semaphore(io_jobs)
-        self._write_slots = asyncio.Semaphore(io_jobs)
         self.removed_tmp_files = 0
         self.rebuild()
 
@@ -167,7 +158,7 @@ class DiskTier(RecordTier):
         with self._lock:
             return key in self._index
 
-    async def contains(self, keys: Sequence[str]) -> list[bool]:
+    def contains(self, keys: Sequence[str]) -> list[bool]:
         return [self.holds(key) for key in keys]
 
     def take_removed(self) -> list[str]:
@@ -175,23 +166,18 @@ class DiskTier(RecordTier):
             removed, self._removed = self._removed, []
         return removed
 
-    async def scan(self) -> Scan:
+    def scan(self) -> Scan:
         first, self._unscanned = self._unscanned, Scan()
-        later = await asyncio.to_thread(self._rescan)
+        later = self._rescan()
         return Scan(first.found + later.found, first.gone + later.gone)
 
-    async def get(
+    def get(
         self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         start = time.perf_counter()
         jobs = [(self.path(key), into[i] if into else None) for i, key in enumerate(keys)]
-        outcomes = await asyncio.gather(
-            *(self._read_group(group) for group in split_evenly(jobs, self._jobs))
-        )
-        records = [
-            self._account_read(key, outcome)
-            for key, outcome in zip(keys, chain.from_iterable(outcomes), strict=True)
-        ]
+        outcomes = _read_files(jobs, self.direct_io)
+        records = [self._account_read(key, outcome) for key, outcome in zip(keys, outcomes, strict=True)]
         self.counters.observe_get(time.perf_counter() - start)
         return records
 
@@ -218,7 +204,7 @@ class DiskTier(RecordTier):
         self._note_read(key, count)
         return count
 
-    async def put(
+    def put(
         self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
     ) -> list[bool]:
         stored = [False] * len(items)
@@ -235,7 +221,7 @@ class DiskTier(RecordTier):
             if not room and todo:
                 # The budget is held by this batch's own writes in flight, which cannot be
                 # evicted yet: finish them, so that the newer records may evict them.
-                full += await self._write(todo, stored)
+                full += self._write(todo, stored)
                 todo = []
                 room = self._make_room(size)
             if room:
@@ -243,31 +229,30 @@ class DiskTier(RecordTier):
                 admitted = True
             else:
                 self.counters.add(put_rejected=1)
-        full += await self._write(todo, stored)
+        full += self._write(todo, stored)
         if full:  # ENOSPC: measure the free space again, make room by evicting, retry once
             self._space_at = -float("inf")
             retry = [item for item in full if self._admit(item[3])]
-            self.counters.add(put_rejected=len(await self._write(retry, stored)))
+            self.counters.add(put_rejected=len(self._write(retry, stored)))
         if admitted:
             self.counters.observe_put(time.perf_counter() - start)
         return stored
 
-    async def delete(self, keys: Sequence[str]) -> int:
+    def delete(self, keys: Sequence[str]) -> int:
         removed = 0
         for key in keys:
             self._forget(key)
-            removed += await self._remove(self.path(key))
+            removed += self._remove(self.path(key))
         self.counters.add(deletes=removed)
         return removed
 
-    async def clear(self, prefix: str = "") -> int:
-        names = await asyncio.to_thread(self._list_names)
-        doomed = [k for k in names if k.startswith(prefix) and not self.pins.is_pinned(k)]
-        return await self.delete(doomed)
+    def clear(self, prefix: str = "") -> int:
+        doomed = [k for k in self._list_names() if k.startswith(prefix) and not self.pins.is_pinned(k)]
+        return self.delete(doomed)
 
     # ---- writes -----------------------------------------------------------------------------
 
-    async def _write(
+    def _write(
         self, todo: list[tuple[int, str, Buffer, int]], stored: list[bool]
     ) -> list[tuple[int, str, Buffer, int]]:
         """Write `todo`, marking `stored`; returns the items that failed for lack of space
@@ -275,15 +260,13 @@ class DiskTier(RecordTier):
         if not todo:
             return []
         try:
-            outcomes = await asyncio.gather(
-                *(self._write_group(group) for group in split_evenly(todo, self._jobs))
-            )
+            outcomes = _write_files([(self.path(key), data) for _, key, data, _ in todo], self.fsync, self.direct_io)
         except BaseException:
             for *_, size in todo:
                 self._release_room(size)
             raise
         full = []
-        for item, error in zip(todo, chain.from_iterable(outcomes), strict=True):
+        for item, error in zip(todo, outcomes, strict=True):
             index, key, _, size = item
             if error is not None and error.errno in _FULL:
                 self._release_room(size)
@@ -461,21 +444,9 @@ class DiskTier(RecordTier):
             if e.name.endswith(SUFFIX)
         ]
 
-    async def _read_group(
-        self, jobs: list[tuple[Path, memoryview | None]]
-    ) -> list[Buffer | OSError]:
-        async with self._read_slots:
-            return await in_read_thread(_read_files_sync, jobs, self.direct_io)
-
-    async def _write_group(self, group: list[tuple[int, str, Buffer, int]]) -> list[OSError | None]:
-        async with self._write_slots:
-            return await _write_files(
-                [(self.path(key), data) for _, key, data, _ in group], self.fsync, self.direct_io
-            )
-
-    async def _remove(self, path: Path) -> int:
+    def _remove(self, path: Path) -> int:
         try:
-            await aiofiles.os.remove(path)
+            path.unlink()
         except FileNotFoundError:
             return 0
         except OSError as exc:
@@ -520,7 +491,7 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink()
 
 
-def _read_files_sync(jobs: list[tuple[Path, memoryview | None]], direct: bool) -> list[Buffer | OSError]:
+def _read_files(jobs: list[tuple[Path, memoryview | None]], direct: bool) -> list[Buffer | OSError]:
     outcomes: list[Buffer | OSError] = []
     for path, buffer in jobs:
         try:
@@ -545,7 +516,7 @@ def _fill(f: io.RawIOBase, buffer: memoryview) -> int:
     return total
 
 
-def _write_files_sync(jobs: list[tuple[Path, Buffer]], fsync: str, direct: bool) -> list[OSError | None]:
+def _write_files(jobs: list[tuple[Path, Buffer]], fsync: str, direct: bool) -> list[OSError | None]:
     outcomes: list[OSError | None] = []
     for path, data in jobs:
         try:
@@ -578,11 +549,6 @@ def _write_file_atomically(path: Path, data: Buffer, fsync: str, direct: bool) -
     if fsync == "full":
         _fsync_dir(path.parent)
 
-
-# One executor job per group of records: aiofiles' file objects take one hop per call
-# (open, read or write, close, rename), which costs more than the I/O of a 1 MiB record.
-# Reads run on the read threads instead (tiers.read_threads).
-_write_files = aiofiles.os.wrap(_write_files_sync)
 
 
 def _direct_io_supported(root: Path) -> bool:

@@ -2,14 +2,15 @@
 
 Batches go out as one non-transactional pipeline (GET/SET/EXISTS per key), which also
 works across cluster slots. Records read into caller buffers (the store's slots) come
-through tiers.resp on a standalone Redis: received straight into the buffer. The pipeline runs on redis-py's blocking client in an I/O
-thread (one executor job per batch): its socket path sends big values with sendall and
-no copy, where the asyncio client joins a whole pipeline into one buffer and copies it
-again into the transport (measured about 3x slower for 1 MiB values on loopback).
-Every operation is bounded by `op_timeout_s` (socket timeout and await timeout);
-redis-py's own retries are off so that the bound holds. A failure marks the tier unhealthy and
+through tiers.resp on a standalone Redis: received straight into the buffer. The pipeline runs on redis-py's blocking client, in the
+thread of the store's pool that calls (a read pool thread for a get, a write pool thread
+for a put): its socket path sends big values with sendall and no copy, where the asyncio
+client joins a whole pipeline into one buffer and copies it again into the transport.
+Every socket operation is bounded by `op_timeout_s`; redis-py's own retries are off so
+that the bound holds. A failure marks the tier unhealthy and
 later operations return misses without touching the network until the backoff passes
-(see tiers.health). A background probe (PING and INFO memory) runs every
+(see tiers.health). A background probe (PING and INFO memory, on the store's maintenance
+thread) runs every
 `probe_interval_s` while the tier is healthy and every RECOVERY_PROBE_S (at most) while it
 is not, whatever the backoff: the tier is healthy again within one probe of Redis
 answering, and the connections of before the outage are dropped then, so that no request
@@ -25,7 +26,6 @@ read them (`get_index`) to find which record holds a block they need.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,10 +45,9 @@ from redis.connection import (
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tiers.base import Buffer, IndexEntry, RecordTier, Worker
+from tiers.base import Buffer, IndexEntry, RecordTier, Upkeep
 from tiers.health import Health
 from tiers.pins import PinTable
-from tiers.read_threads import in_read_thread
 from tiers.redis_url import RedisTarget, parse_redis_url
 from tiers.resp import BulkReader
 
@@ -106,11 +105,11 @@ class RedisTier(RecordTier):
         """Keys in the database (all of them, not only ours)."""
         return self._entries
 
-    async def contains(self, keys: Sequence[str]) -> list[bool]:
-        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.exists(key))
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        replies = self._pipelined(keys, lambda pipe, _, key: pipe.exists(key))
         return [False] * len(keys) if replies is None else [bool(r) for r in replies]
 
-    async def get(
+    def get(
         self, keys: Sequence[str], into: Sequence[memoryview] | None = None
     ) -> list[Buffer | None]:
         """Pipelined GETs. With `into`, each value is read only up to its buffer's size
@@ -119,17 +118,17 @@ class RedisTier(RecordTier):
         start = time.perf_counter()
         if into is not None and self._reader is not None:
             names = [self.key_prefix + key for key in keys]
-            sizes = await self._guarded(lambda: self._reader.get_into(names, into), None, read=True)
+            sizes = self._guarded(lambda: self._reader.get_into(names, into), None)
             if sizes is None:
                 return [None] * len(keys)
             self.counters.add(bytes_read=sum(s for s in sizes if s))
             self.counters.observe_get(time.perf_counter() - start)
             return [into[i][:size] if size else None for i, size in enumerate(sizes)]
         if into is None:
-            replies = await self._pipelined(keys, lambda pipe, _, key: pipe.get(key), read=True)
+            replies = self._pipelined(keys, lambda pipe, _, key: pipe.get(key))
         else:
-            replies = await self._pipelined(
-                keys, lambda pipe, i, key: pipe.getrange(key, 0, into[i].nbytes - 1), read=True
+            replies = self._pipelined(
+                keys, lambda pipe, i, key: pipe.getrange(key, 0, into[i].nbytes - 1)
             )
         if replies is None:
             return [None] * len(keys)
@@ -146,15 +145,15 @@ class RedisTier(RecordTier):
                 records.append(into[i][: len(reply)])
         return records
 
-    async def get_index(self, names: Sequence[str]) -> list[bytes | None]:
-        replies = await self._pipelined(
+    def get_index(self, names: Sequence[str]) -> list[bytes | None]:
+        replies = self._pipelined(
             [self.index_prefix + n for n in names],
             lambda pipe, _, key: pipe.getrange(key, 0, INDEX_VALUE_BYTES - 1),
-            prefixed=True, read=True,  # a request waits for the probe that asks
+            prefixed=True,
         )
         return [None] * len(names) if replies is None else [r or None for r in replies]
 
-    async def put(
+    def put(
         self, items: Sequence[tuple[str, Buffer]], blocks: Sequence[Sequence[IndexEntry]] | None = None
     ) -> list[bool]:
         """Store records that Redis does not hold yet (records are content addressed), with
@@ -181,7 +180,7 @@ class RedisTier(RecordTier):
                     present[i] = bool(ok)
                 return present, missing
 
-        outcome = await self._guarded(run, None)
+        outcome = self._guarded(run, None)
         if outcome is None:
             return [False] * len(items)
         stored, written = outcome
@@ -191,8 +190,8 @@ class RedisTier(RecordTier):
         self.counters.observe_put(time.perf_counter() - start)
         return stored
 
-    async def delete(self, keys: Sequence[str]) -> int:
-        replies = await self._pipelined(keys, lambda pipe, _, key: pipe.delete(key))
+    def delete(self, keys: Sequence[str]) -> int:
+        replies = self._pipelined(keys, lambda pipe, _, key: pipe.delete(key))
         removed = 0 if replies is None else sum(int(r) for r in replies)
         if replies is not None:
             with self._lock:
@@ -200,43 +199,43 @@ class RedisTier(RecordTier):
         self.counters.add(deletes=removed)
         return removed
 
-    async def clear(self, prefix: str = "") -> int:
+    def clear(self, prefix: str = "") -> int:
         """Remove the unpinned records under `prefix`, and the block index entries under it."""
         def scan(pattern_prefix: str) -> list[str]:
             found = self._client.scan_iter(match=f"{pattern_prefix}{prefix}*", count=1000)
             return [k.decode()[len(pattern_prefix) :] for k in found]
 
-        entries = await self._guarded(lambda: scan(self.index_prefix), None)
+        entries = self._guarded(lambda: scan(self.index_prefix), None)
         if entries:
-            await self._pipelined(
+            self._pipelined(
                 [self.index_prefix + e for e in entries], lambda pipe, _, key: pipe.delete(key),
                 prefixed=True,
             )
-        keys = await self._guarded(lambda: scan(self.key_prefix), None)
+        keys = self._guarded(lambda: scan(self.key_prefix), None)
         if not keys:
             return 0
-        return await self.delete([k for k in keys if not self.pins.is_pinned(k)])
+        return self.delete([k for k in keys if not self.pins.is_pinned(k)])
 
     def take_removed(self) -> list[str]:
         with self._lock:
             removed, self._removed = self._removed, []
         return removed
 
-    def workers(self) -> Sequence[Worker]:
-        return (("redis-probe", self._probe_forever),)
+    def upkeep(self) -> Sequence[Upkeep]:
+        return (("redis-probe", self._probe_step),)
 
-    async def probe(self) -> bool:
+    def probe(self) -> bool:
         """One health/usage probe (INFO server and memory, DBSIZE), whatever the backoff;
         True if Redis answered. Coming back from unhealthy, the pooled connections of
         before are dropped first. A Redis process other than the last probe's (a restart,
         or a failover in a cluster) may have lost what it held, though the tier never
         looked unhealthy in between: that is told to the health monitor as an outage."""
         recovering = self.health.state is not Health.HEALTHY
-        info = await self._guarded(self._read_info, None, force=True, record_success=False)
+        info = self._guarded(self._read_info, None, force=True, record_success=False)
         if info is None:
             return False
         if recovering:
-            await asyncio.to_thread(self._drop_connections)
+            self._drop_connections()
         self.health.record_success()
         run_ids, self._capacity, self._usage, self._entries = info
         if self._run_ids is not None and run_ids != self._run_ids:
@@ -244,16 +243,17 @@ class RedisTier(RecordTier):
         self._run_ids = run_ids
         return True
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self._client.close)
+    def close(self) -> None:
+        self._client.close()
         if self._reader is not None:
             self._reader.close()
 
-    async def _probe_forever(self) -> None:
-        while True:
-            healthy = self.health.state is Health.HEALTHY
-            await asyncio.sleep(self.probe_interval_s if healthy else min(self.probe_interval_s, RECOVERY_PROBE_S))
-            await self.probe()
+    def _probe_step(self) -> float:
+        """One probe; the seconds until the next: `probe_interval_s` while healthy, at most
+        RECOVERY_PROBE_S while not."""
+        self.probe()
+        healthy = self.health.state is Health.HEALTHY
+        return self.probe_interval_s if healthy else min(self.probe_interval_s, RECOVERY_PROBE_S)
 
     def _drop_connections(self) -> None:
         if isinstance(self._client, RedisCluster):
@@ -278,12 +278,11 @@ class RedisTier(RecordTier):
         usage = sum(int(i.get("used_memory", 0)) for i in infos)
         return run_ids, capacity, usage, entries
 
-    async def _pipelined(
+    def _pipelined(
         self, keys: Sequence[str], add: Callable[[Any, int, str], Any], prefixed: bool = False,
-        read: bool = False,
     ) -> list | None:
         """Run `add(pipe, index, prefixed_key)` per key in one pipeline; None if Redis
-        failed. `prefixed`: the keys already carry their prefix; `read`: see `_guarded`."""
+        failed. `prefixed`: the keys already carry their prefix."""
         if not keys:
             return []
         prefix = "" if prefixed else self.key_prefix
@@ -294,20 +293,17 @@ class RedisTier(RecordTier):
                     add(pipe, index, prefix + key)
                 return pipe.execute()
 
-        return await self._guarded(run, None, read=read)
+        return self._guarded(run, None)
 
-    async def _guarded(
+    def _guarded(
         self, op: Callable[[], T], fallback: T, force: bool = False, record_success: bool = True,
-        read: bool = False,
     ) -> T:
-        """Run blocking `op` in an I/O thread under the timeout; failures are counted,
-        change health and give `fallback`. `read`: a read of records a request waits for,
-        run on the read threads (tiers.read_threads) rather than behind background work."""
+        """Run blocking `op` (its sockets time out after `op_timeout_s`); failures are
+        counted, change health and give `fallback`."""
         if not force and not self.health.available():
             return fallback
-        call = in_read_thread(op) if read else asyncio.to_thread(op)
         try:
-            result = await asyncio.wait_for(call, self.op_timeout_s)
+            result = op()
         except _FAILURES as exc:
             self.counters.add(errors=1)
             self.health.record_failure(exc)

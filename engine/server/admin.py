@@ -86,7 +86,7 @@ async def kv_unpin(request: Request) -> dict[str, Any]:
 async def kv_flush(request: Request) -> dict[str, Any]:
     """Drop the unpinned chunks of the given tiers (all when `tiers` is null). The engine
     thread only starts the flush; the clears (a Redis SCAN of the namespace) run on the
-    store's I/O loop while this call waits for them, up to FLUSH_TIMEOUT_S."""
+    store's upkeep thread while this call waits for them, up to FLUSH_TIMEOUT_S."""
     state = _state(request)
     body = _parse(FlushRequest, await request.body() or b"{}")
     unknown = [t for t in body.tiers or () if t not in state.kv_offload]

@@ -3,7 +3,6 @@ drive it, over a small device cache filled with known values (no model)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import threading
 import time
@@ -210,13 +209,13 @@ def held_disk_reads(connector: KVStoreConnector) -> threading.Event:
     place into the device blocks, or through the slots)."""
     gate = threading.Event()
     loader = connector.store._loader
-    read_part = loader._read_part
+    read_from = loader._read_from
 
-    async def held_read_part(tier, ask):
-        await asyncio.to_thread(gate.wait, 10)
-        return await read_part(tier, ask)
+    def held_read_from(tier, ask):
+        gate.wait(10)
+        return read_from(tier, ask)
 
-    loader._read_part = held_read_part
+    loader._read_from = held_read_from
     return gate
 
 

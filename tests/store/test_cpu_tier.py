@@ -3,7 +3,6 @@ and slots that keep nothing without the tier."""
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import sys
 
@@ -122,7 +121,7 @@ def test_delete_while_held_frees_on_release():
     tier = make_tier(1)
     put(tier, "a", 3)
     slot = tier.acquire("a")
-    assert asyncio.run(tier.delete(["a"])) == 1
+    assert tier.delete(["a"]) == 1
     assert not tier.has("a") and tier.take_removed() == ["a"]
     assert tier.reserve("b") == NO_ROOM  # the reader still holds the slot
     assert tier.buffer(slot)[0] == 3
@@ -148,7 +147,7 @@ def test_clear_by_prefix_spares_pins():
     for name in ("m1-a", "m1-b", "m2-a"):
         put(tier, name, 1)
     pins.pin(["m1-b"])
-    assert asyncio.run(tier.clear("m1-")) == 1
+    assert tier.clear("m1-") == 1
     assert [tier.has(k) for k in ("m1-a", "m1-b", "m2-a")] == [False, True, True]
 
 
@@ -162,34 +161,26 @@ def test_fresh_slots_have_their_pages_populated_ahead_of_use_and_keep_their_byte
     mib = 1 << 20
     monkeypatch.setattr(cpu, "POPULATE_AHEAD_BYTES", 8 * mib)
     monkeypatch.setattr(cpu, "POPULATE_PIECE_BYTES", 2 * mib)
-    monkeypatch.setattr(cpu, "POPULATE_POLL_S", 0.005)
     # A fresh anonymous mapping: malloc may serve even 64 MiB from pages it kept.
     mapping = mmap.mmap(-1, 64 * mib)
     monkeypatch.setattr(cpu, "allocate_host", lambda nbytes, pin: (torch.frombuffer(mapping, dtype=torch.uint8), "plain"))
     tier = CpuTier(64 * mib, mib, pin_memory=False)
-    (name, populate), = tier.workers()
+    (name, populate), = tier.upkeep()
     assert name == "cpu-populate" and tier.populated_bytes == 0
     assert slab_resident_fraction(tier, 0, 64 * mib) == 0
 
-    async def until(condition) -> None:
-        for _ in range(1000):
-            if condition():
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError("the populator did not get there")
+    def until_idle() -> float | None:
+        """Run the step while it has more to do at once; its answer when it has not."""
+        while (delay := populate()) == 0.0:
+            pass
+        return delay
 
-    async def scenario() -> None:
-        task = asyncio.create_task(populate())
-        await until(lambda: tier.populated_bytes == 8 * mib)
-        tier.buffer(20)[:4] = b"kept"  # a slot past the frontier written before its turn
-        for n in range(20):
-            assert tier.reserve(f"r{n}") == n
-        await until(lambda: tier.populated_bytes == 28 * mib)
-        await asyncio.sleep(0.05)  # and no further than the slots in use plus the lead
-        assert tier.populated_bytes == 28 * mib
-        task.cancel()
-
-    asyncio.run(scenario())
+    assert until_idle() == cpu.POPULATE_POLL_S and tier.populated_bytes == 8 * mib
+    tier.buffer(20)[:4] = b"kept"  # a slot past the frontier written before its turn
+    for n in range(20):
+        assert tier.reserve(f"r{n}") == n
+    # as far as the slots in use plus the lead, and no further
+    assert until_idle() == cpu.POPULATE_POLL_S and tier.populated_bytes == 28 * mib
     assert slab_resident_fraction(tier, 0, 28 * mib) == 1
     assert slab_resident_fraction(tier, 32 * mib, 64 * mib) == 0  # past a huge page's reach
     assert bytes(tier.buffer(20)[:4]) == b"kept"
@@ -207,7 +198,7 @@ def test_make_resident_faults_in_the_whole_slab_keeps_its_bytes_and_stops_the_po
     tier.make_resident()
     assert slab_resident_fraction(tier, 0, 16 * mib) == 1
     assert tier.populated_bytes == 16 * mib and bytes(tier.buffer(0)[:4]) == b"kept"
-    assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to populate
+    assert tier.upkeep()[0][1]() is None  # nothing left to populate
 
 
 def test_make_resident_without_madvise_leaves_the_slab_to_the_populator(monkeypatch):
@@ -237,4 +228,4 @@ def test_a_slab_touched_at_start_leaves_the_populator_nothing_to_do():
     tier = make_tier(4)
     tier.touch_pages(4 * SLOT)
     assert tier.populated_bytes == 4 * SLOT
-    assert asyncio.run(asyncio.wait_for(tier.workers()[0][1](), 1)) is None  # nothing left to do
+    assert tier.upkeep()[0][1]() is None  # nothing left to do

@@ -3,7 +3,6 @@ interchangeable with buffered files, and chosen by the store only below a cpu ti
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import mmap
 import os
@@ -80,14 +79,14 @@ def test_a_direct_disk_tier_leaves_no_copy_in_the_page_cache(directory):
     buffered = DiskTier(directory / "buffered", 10 << 20, PinTable())
     assert direct.direct_io and not buffered.direct_io
     for tier in (direct, buffered):
-        assert asyncio.run(tier.put([("k-01", record)])) == [True]
+        assert tier.put([("k-01", record)]) == [True]
     assert resident_pages(direct.path("k-01")) == 0
     assert resident_pages(buffered.path("k-01")) > 0  # the check sees what it looks for
     into = [memoryview(bytearray(len(record) + 100))]
-    got = asyncio.run(direct.get(["k-01"], into))
+    got = direct.get(["k-01"], into)
     assert bytes(got[0]) == record and resident_pages(direct.path("k-01")) == 0
     # a process with a buffered tier on the same directory reads what this one wrote
-    assert asyncio.run(DiskTier(directory / "direct", 10 << 20, PinTable()).get(["k-01"])) == [record]
+    assert DiskTier(directory / "direct", 10 << 20, PinTable()).get(["k-01"]) == [record]
 
 
 def test_the_store_reads_the_disk_directly_only_below_a_cpu_tier(directory):

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.store.store_helpers import resident_fraction
 from tiers import DiskTier, PinTable, TierConfigError
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def record(i: int, size: int = 1000) -> bytes:
@@ -26,17 +19,17 @@ def record(i: int, size: int = 1000) -> bytes:
 
 def test_get_reads_into_the_callers_buffers(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
-    run(tier.put([("k-01", record(1)), ("k-02", record(2, 30))]))
+    tier.put([("k-01", record(1)), ("k-02", record(2, 30))])
     buffers = [memoryview(bytearray(1000)), memoryview(bytearray(20))]
-    got = run(tier.get(["k-01", "k-02"], buffers))
+    got = tier.get(["k-01", "k-02"], buffers)
     assert got[0].obj is buffers[0].obj and bytes(got[0]) == record(1)
     assert bytes(got[1]) == record(2, 20)  # cut to its buffer: the decoder rejects it
 
 
 def test_put_get_and_no_temp_files_left(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
-    assert run(tier.put([("k-01", record(1)), ("k-02", record(2))])) == [True, True]
-    assert run(tier.get(["k-01", "k-02", "k-03"])) == [record(1), record(2), None]
+    assert tier.put([("k-01", record(1)), ("k-02", record(2))]) == [True, True]
+    assert tier.get(["k-01", "k-02", "k-03"]) == [record(1), record(2), None]
     files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["k-01.kvc", "k-02.kvc"]
     assert tier.usage_bytes == 2000 and tier.counters["bytes_written"] == 2000
@@ -45,8 +38,8 @@ def test_put_get_and_no_temp_files_left(tmp_path):
 @pytest.mark.parametrize("fsync", ["none", "file", "full"])
 def test_fsync_policies_write_the_same_bytes(tmp_path, fsync):
     tier = DiskTier(tmp_path, 10_000, fsync=fsync)
-    run(tier.put([("k-aa", record(7))]))
-    assert run(tier.get(["k-aa"])) == [record(7)]
+    tier.put([("k-aa", record(7))])
+    assert tier.get(["k-aa"]) == [record(7)]
 
 
 def test_bad_configuration_is_refused(tmp_path):
@@ -62,11 +55,11 @@ def test_bad_configuration_is_refused(tmp_path):
 def test_restart_rebuilds_the_index_in_lru_order(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
     for i in range(3):
-        run(tier.put([(f"k-{i:02d}", record(i))]))
+        tier.put([(f"k-{i:02d}", record(i))])
         os.utime(tier.path(f"k-{i:02d}"), (1000 + i, 1000 + i))
     again = DiskTier(tmp_path, 10_000)
     assert again.entries == 3 and again.usage_bytes == 3000
-    assert run(again.get(["k-01"])) == [record(1)]
+    assert again.get(["k-01"]) == [record(1)]
     smaller = DiskTier(tmp_path, 2_000)  # a smaller budget evicts the oldest at start
     assert [smaller.holds(f"k-{i:02d}") for i in range(3)] == [False, True, True]
 
@@ -96,7 +89,7 @@ def test_stale_temp_files_are_removed_at_start(tmp_path):
 def test_a_batch_larger_than_the_budget_keeps_its_newest_records(tmp_path):
     tier = DiskTier(tmp_path, 3_500)
     keys = [f"k-{i:02d}" for i in range(8)]
-    assert run(tier.put([(k, record(i)) for i, k in enumerate(keys)])) == [True] * 8
+    assert tier.put([(k, record(i)) for i, k in enumerate(keys)]) == [True] * 8
     assert [tier.holds(k) for k in keys] == [False] * 5 + [True] * 3
     assert tier.counters["evictions"] == 5 and tier.counters["put_rejected"] == 0
     assert tier.usage_bytes == 3000
@@ -108,69 +101,69 @@ def test_byte_budget_evicts_lru_and_spares_pins(tmp_path):
     tier = DiskTier(tmp_path, 3_500, pins)
     pins.pin(["k-00"])
     for i in range(6):
-        assert run(tier.put([(f"k-{i:02d}", record(i))]))
+        assert tier.put([(f"k-{i:02d}", record(i))])
         assert tier.usage_bytes <= 3_500
     present = [i for i in range(6) if tier.path(f"k-{i:02d}").exists()]
     assert present == [0, 4, 5]
     assert tier.counters["evictions"] == 3
     pins.pin(["k-04", "k-05"])
-    assert run(tier.put([("k-06", record(6))])) == [False]
+    assert tier.put([("k-06", record(6))]) == [False]
     assert tier.counters["put_rejected"] == 1
 
 
 def test_record_larger_than_the_budget_is_rejected(tmp_path):
     tier = DiskTier(tmp_path, 500)
-    assert run(tier.put([("k-00", record(0))])) == [False]
+    assert tier.put([("k-00", record(0))]) == [False]
 
 
 def test_file_removed_by_another_process_is_a_miss(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
-    run(tier.put([("k-01", record(1))]))
+    tier.put([("k-01", record(1))])
     tier.path("k-01").unlink()
-    assert run(tier.get(["k-01"])) == [None]
+    assert tier.get(["k-01"]) == [None]
     assert tier.entries == 0 and tier.counters["errors"] == 0
     assert tier.take_removed() == ["k-01"]
 
 
 def test_scan_lists_the_records_found_at_start_with_their_heads(tmp_path):
     writer = DiskTier(tmp_path, 10_000)
-    run(writer.put([("k-01", record(1)), ("k-02", record(2))]))
+    writer.put([("k-01", record(1)), ("k-02", record(2))])
     tier = DiskTier(tmp_path, 10_000, head_bytes=8)
-    first = run(tier.scan())
+    first = tier.scan()
     assert sorted(first.found) == [("k-01", record(1, 8)), ("k-02", record(2, 8))] and first.gone == []
-    assert run(tier.scan()).found == []  # nothing changed since
+    assert tier.scan().found == []  # nothing changed since
 
 
 def test_scan_finds_what_another_process_wrote_or_removed_after_start(tmp_path):
     mine = DiskTier(tmp_path, 10_000, head_bytes=4)
     other = DiskTier(tmp_path, 10_000)
-    run(mine.put([("k-01", record(1))]))
-    run(mine.scan())
+    mine.put([("k-01", record(1))])
+    mine.scan()
     assert not mine.holds("k-05")  # no stat() behind a lookup: learnt by the next scan
-    run(other.put([("k-05", record(5))]))
+    other.put([("k-05", record(5))])
     other.path("k-01").unlink()
-    later = run(mine.scan())
+    later = mine.scan()
     assert later.found == [("k-05", record(5, 4))] and later.gone == ["k-01"]
     assert mine.holds("k-05") and not mine.holds("k-01") and mine.usage_bytes == 1000
-    assert run(mine.get(["k-05"])) == [record(5)]
+    assert mine.get(["k-05"]) == [record(5)]
 
 
 def test_write_error_makes_the_tier_unhealthy_then_it_recovers(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
     tier.health = type(tier.health)(min_backoff_s=0.01)
     (tmp_path / "01").write_text("a file where the shard directory should be")
-    assert run(tier.put([("k-01", record(1))])) == [False]
+    assert tier.put([("k-01", record(1))]) == [False]
     assert tier.health.state == "unhealthy" and tier.counters["errors"] == 1
     (tmp_path / "01").unlink()
     time.sleep(0.02)
-    assert run(tier.put([("k-01", record(1))])) == [True]
+    assert tier.put([("k-01", record(1))]) == [True]
     assert tier.health.state == "healthy"
 
 
 def test_clear_removes_only_the_prefix(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
-    run(tier.put([("m1-k-01", record(1)), ("m1-k-02", record(2)), ("m2-k-01", record(3))]))
-    assert run(tier.clear("m1-")) == 2
+    tier.put([("m1-k-01", record(1)), ("m1-k-02", record(2)), ("m2-k-01", record(3))])
+    assert tier.clear("m1-") == 2
     assert [tier.path(k).exists() for k in ("m1-k-01", "m1-k-02", "m2-k-01")] == [
         False,
         False,
@@ -179,34 +172,10 @@ def test_clear_removes_only_the_prefix(tmp_path):
     assert tier.usage_bytes == 1000
 
 
-def test_a_read_never_queues_behind_writes_or_background_work(tmp_path):
-    """Every thread of the loop's default executor is busy and a write holds the tier's
-    only write slot: a read still goes through at once, on the read threads."""
-    tier = DiskTier(tmp_path, 100_000, io_jobs=1)
-    run(tier.put([("k-01", record(1))]))
-    release = threading.Event()
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(1))
-        background = loop.run_in_executor(None, release.wait, 10)
-        write = asyncio.ensure_future(tier.put([("k-02", record(2))]))
-        await asyncio.sleep(0.05)
-        try:
-            got = await asyncio.wait_for(tier.get(["k-01"]), 5)
-            write_was_waiting = not write.done()
-        finally:
-            release.set()
-        assert await write == [True] and await background
-        return got, write_was_waiting
-
-    assert run(main()) == ([record(1)], True)
-
-
 def test_read_in_place_scatters_a_cached_record_and_declines_what_it_cannot_read_now(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
     data = bytes(range(256)) * 4
-    run(tier.put([("k-01", data)]))
+    tier.put([("k-01", data)])
     pieces = [memoryview(bytearray(100)), memoryview(bytearray(900)), memoryview(bytearray(40))]
     assert tier.read_in_place("k-01", pieces) == 1024  # just written: in the page cache
     assert b"".join(bytes(p) for p in pieces)[:1024] == data
@@ -232,7 +201,7 @@ def cached_fraction(path) -> float:
 @pytest.mark.skipif(sys.platform != "linux", reason="RWF_NOWAIT and fadvise are Linux's")
 def test_read_in_place_declines_a_record_the_page_cache_does_not_hold(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
-    run(tier.put([("k-01", os.urandom(8192))]))
+    tier.put([("k-01", os.urandom(8192))])
     fd = os.open(tier.path("k-01"), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -242,4 +211,4 @@ def test_read_in_place_declines_a_record_the_page_cache_does_not_hold(tmp_path):
     cached = cached_fraction(tier.path("k-01"))  # 1 on tmpfs, which has no device to wait on
     got = tier.read_in_place("k-01", [memoryview(bytearray(8192))])
     assert got == (8192 if cached == 1 else None)
-    assert run(tier.get(["k-01"]))[0] is not None  # the usual read gets it
+    assert tier.get(["k-01"])[0] is not None  # the usual read gets it

@@ -175,18 +175,12 @@ def test_write_behind_copies_are_not_hits():
 
 
 def test_disk_tier_with_arc_keeps_hot_records_through_a_scan(tmp_path):
-    import asyncio
-
     record = b"x" * 1000
     tier = DiskTier(tmp_path, 4 * len(record), eviction="arc")
-
-    async def run() -> None:
-        for name in ("hot1", "hot2"):
-            assert await tier.put([(name, record)]) == [True]
-            assert (await tier.get([name]))[0] is not None
-        for index in range(10):
-            assert await tier.put([(f"once{index}", record)]) == [True]
-
-    asyncio.run(run())
+    for name in ("hot1", "hot2"):
+        assert tier.put([(name, record)]) == [True]
+        assert tier.get([name])[0] is not None
+    for index in range(10):
+        assert tier.put([(f"once{index}", record)]) == [True]
     assert tier.holds("hot1") and tier.holds("hot2") and tier.holds("once9")
     assert tier.entries == 4 and tier.usage_bytes == 4 * len(record)

@@ -54,7 +54,7 @@ def save_sequence(store: TieredStore, i: int, blocks: int) -> torch.Tensor:
 def load_blocks(store: TieredStore, hashes: list[bytes], start: int, end: int) -> tuple[torch.Tensor, list]:
     """Open, wait for and close a load of blocks [start, end): their payload, parts' tiers."""
     load = store.open_load(store.locate(hashes, start, end))
-    load.future.result(30)
+    load.wait(30)
     found = torch.cat([store.view(part).clone() for part in load.parts])
     tiers = [part.tier for part in load.parts]
     store.close_load(load)
@@ -102,7 +102,7 @@ def test_a_record_prefetched_from_redis_is_a_redis_hit_for_the_load_that_takes_i
     reader = open_store("cpu,redis", redis_url)
     hashes = sequence(2, 8)
     assert reader.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 8
-    reader.prefetch_run(reader.locate(hashes, 0, 8)).result(30)
+    assert reader.prefetch_run(reader.locate(hashes, 0, 8)).wait(30)
     reader.poll()
     assert all("cpu" in location.record.tiers for location in reader.locate(hashes, 0, 8))
 

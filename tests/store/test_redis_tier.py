@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 
+from kvstore.upkeep import Upkeep
 from tiers import RedisTier, RedisUrlError, parse_redis_url
 
 
@@ -55,181 +53,160 @@ def test_bad_url_error_hides_the_password():
 
 
 def test_roundtrip_contains_delete_and_usage(redis_url):
-    async def main():
+    def main():
         tier = RedisTier(redis_url)
-        assert await tier.put([("k-1", b"one"), ("k-2", bytearray(b"two" * 1000))]) == [True, True]
-        assert await tier.contains(["k-1", "k-2", "k-3"]) == [True, True, False]
-        assert await tier.get(["k-2", "k-3", "k-1"]) == [b"two" * 1000, None, b"one"]
-        assert await tier.probe() and tier.usage_bytes > 0 and tier.entries == 2
-        assert await tier.delete(["k-1"]) == 1
-        assert await tier.get(["k-1"]) == [None]
-        await tier.aclose()
+        assert tier.put([("k-1", b"one"), ("k-2", bytearray(b"two" * 1000))]) == [True, True]
+        assert tier.contains(["k-1", "k-2", "k-3"]) == [True, True, False]
+        assert tier.get(["k-2", "k-3", "k-1"]) == [b"two" * 1000, None, b"one"]
+        assert tier.probe() and tier.usage_bytes > 0 and tier.entries == 2
+        assert tier.delete(["k-1"]) == 1
+        assert tier.get(["k-1"]) == [None]
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_put_keeps_what_redis_already_holds(redis_url):
-    async def main():
+    def main():
         tier = RedisTier(redis_url)
-        assert await tier.put([("k-1", b"first")]) == [True]
-        assert await tier.put([("k-1", b"second"), ("k-2", b"new")]) == [True, True]
-        assert await tier.get(["k-1", "k-2"]) == [b"first", b"new"]
+        assert tier.put([("k-1", b"first")]) == [True]
+        assert tier.put([("k-1", b"second"), ("k-2", b"new")]) == [True, True]
+        assert tier.get(["k-1", "k-2"]) == [b"first", b"new"]
         assert tier.counters["puts"] == 2
-        await tier.aclose()
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_ttl_expires_records(redis_url):
-    async def main():
+    def main():
         tier = RedisTier(redis_url, ttl_s=0.2)
-        await tier.put([("k-1", b"x")])
-        assert await tier.get(["k-1"]) == [b"x"]
-        await asyncio.sleep(0.35)
-        assert await tier.get(["k-1"]) == [None]
-        await tier.aclose()
+        tier.put([("k-1", b"x")])
+        assert tier.get(["k-1"]) == [b"x"]
+        time.sleep(0.35)
+        assert tier.get(["k-1"]) == [None]
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_clear_only_touches_the_prefix_and_spares_pins(redis_url, redis_server):
-    async def main():
+    def main():
         tier = RedisTier(redis_url)
-        await tier.put([("m1-a", b"1"), ("m1-b", b"2"), ("m2-a", b"3")])
+        tier.put([("m1-a", b"1"), ("m1-b", b"2"), ("m2-a", b"3")])
         tier.pins.pin(["m1-b"])
-        assert await tier.clear("m1-") == 1
-        assert await tier.contains(["m1-a", "m1-b", "m2-a"]) == [False, True, True]
-        await tier.aclose()
+        assert tier.clear("m1-") == 1
+        assert tier.contains(["m1-a", "m1-b", "m2-a"]) == [False, True, True]
+        tier.close()
 
     redis_server.client().set("unrelated", b"keep")
-    asyncio.run(main())
+    main()
     assert redis_server.client().get("unrelated") == b"keep"
 
 
 def test_password_protected_server(redis_factory):
     server = redis_factory("--requirepass", "s3cret")
 
-    async def main():
+    def main():
         good = RedisTier(server.url)
-        assert await good.put([("k", b"v")]) == [True]
-        assert await good.get(["k"]) == [b"v"]
+        assert good.put([("k", b"v")]) == [True]
+        assert good.get(["k"]) == [b"v"]
         bad = RedisTier(f"redis://:wrong@127.0.0.1:{server.port}")
-        assert await bad.get(["k"]) == [None]
+        assert bad.get(["k"]) == [None]
         assert bad.health.state == "unhealthy" and bad.counters["errors"] == 1
-        await good.aclose()
-        await bad.aclose()
+        good.close()
+        bad.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_killed_redis_gives_misses_and_recovers_by_itself(redis_factory):
     server = redis_factory()
 
-    async def main():
+    def main():
         tier = RedisTier(server.url, op_timeout_s=0.5, probe_interval_s=0.05)
         tier.health = type(tier.health)(min_backoff_s=0.05, max_backoff_s=0.2)
-        probe = asyncio.create_task(tier.workers()[0][1]())
-        assert await tier.put([("k", b"v")]) == [True]
+        upkeep = Upkeep()
+        upkeep.every(*tier.upkeep()[0])
+        assert tier.put([("k", b"v")]) == [True]
         server.kill()
         start = time.monotonic()
-        assert await tier.get(["k"]) == [None]
-        assert await tier.put([("k2", b"v")]) == [False]
-        assert await tier.contains(["k"]) == [False]
+        assert tier.get(["k"]) == [None]
+        assert tier.put([("k2", b"v")]) == [False]
+        assert tier.contains(["k"]) == [False]
         assert time.monotonic() - start < 1.0
         assert tier.health.state == "unhealthy"
-        await asyncio.to_thread(server.start)  # same port, empty (no persistence)
+        server.start()  # same port, empty (no persistence)
         for _ in range(100):
             if tier.health.state == "healthy":
                 break
-            await asyncio.sleep(0.05)
+            time.sleep(0.05)
         assert tier.health.state == "healthy"  # recovered without any traffic
-        assert await tier.put([("k", b"again")]) == [True]
-        assert await tier.get(["k"]) == [b"again"]
-        probe.cancel()
-        await tier.aclose()
+        assert tier.put([("k", b"again")]) == [True]
+        assert tier.get(["k"]) == [b"again"]
+        upkeep.close(5)
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_paused_redis_is_bounded_by_the_timeout(redis_factory):
     server = redis_factory()
 
-    async def main():
+    def main():
         tier = RedisTier(server.url, op_timeout_s=0.3)
         tier.health = type(tier.health)(min_backoff_s=0.05)
-        await tier.put([("k", b"v")])
+        tier.put([("k", b"v")])
         server.pause()
         try:
             start = time.monotonic()
-            assert await tier.get(["k"]) == [None]
+            assert tier.get(["k"]) == [None]
             assert time.monotonic() - start < 0.6
             assert tier.health.state == "unhealthy"
         finally:
             server.resume()
-        await asyncio.sleep(0.1)
-        assert await tier.get(["k"]) == [b"v"]
+        time.sleep(0.1)
+        assert tier.get(["k"]) == [b"v"]
         assert tier.health.state == "healthy"
-        await tier.aclose()
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_cluster_roundtrip_across_slots(redis_cluster):
     keys = [f"k-{i:03d}" for i in range(60)]
 
-    async def main():
+    def main():
         tier = RedisTier(redis_cluster)
-        assert await tier.put([(k, k.encode() * 10) for k in keys]) == [True] * len(keys)
-        assert await tier.contains([*keys, "absent"]) == [True] * len(keys) + [False]
-        assert await tier.get(keys) == [k.encode() * 10 for k in keys]
-        assert await tier.probe() and tier.entries >= len(keys)
-        assert await tier.clear("k-") == len(keys)
-        assert await tier.contains(keys[:5]) == [False] * 5
-        await tier.aclose()
+        assert tier.put([(k, k.encode() * 10) for k in keys]) == [True] * len(keys)
+        assert tier.contains([*keys, "absent"]) == [True] * len(keys) + [False]
+        assert tier.get(keys) == [k.encode() * 10 for k in keys]
+        assert tier.probe() and tier.entries >= len(keys)
+        assert tier.clear("k-") == len(keys)
+        assert tier.contains(keys[:5]) == [False] * 5
+        tier.close()
 
-    asyncio.run(main())
+    main()
 
 
 def test_records_are_read_straight_into_the_callers_buffers(redis_factory):
     server = redis_factory("--requirepass", "s3cret")
 
-    async def main():
+    def main():
         tier = RedisTier(f"redis://:s3cret@127.0.0.1:{server.port}/3")  # AUTH and SELECT
-        assert await tier.put([("k-1", b"x" * 5000), ("k-2", b"short")]) == [True, True]
+        assert tier.put([("k-1", b"x" * 5000), ("k-2", b"short")]) == [True, True]
         tier._client.rpush(tier.key_prefix + "k-3", b"a list, not a record")
         buffers = [memoryview(bytearray(6000)), memoryview(bytearray(3)), memoryview(bytearray(10)),
                    memoryview(bytearray(10))]
-        got = await tier.get(["k-1", "k-2", "k-3", "absent"], buffers)
+        got = tier.get(["k-1", "k-2", "k-3", "absent"], buffers)
         assert got[0].obj is buffers[0].obj and bytes(got[0]) == b"x" * 5000
         assert bytes(got[1]) == b"sho"  # cut to its buffer: the decoder rejects it
         assert got[2:] == [None, None] and tier.health.state == "healthy"
         server.kill()
-        assert await tier.get(["k-1"], buffers[:1]) == [None] and tier.health.state == "unhealthy"
-        await tier.aclose()
+        assert tier.get(["k-1"], buffers[:1]) == [None] and tier.health.state == "unhealthy"
+        tier.close()
 
-    asyncio.run(main())
-
-
-def test_a_read_never_queues_behind_background_work(redis_url):
-    """Every thread of the loop's default executor is busy (puts, sealing and the
-    populator run there): a read into the caller's buffers still goes through at once."""
-    release = threading.Event()
-
-    async def main():
-        tier = RedisTier(redis_url)
-        assert await tier.put([("k-1", b"x" * 5000)]) == [True]
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(1))
-        background = loop.run_in_executor(None, release.wait, 10)
-        try:
-            got = await asyncio.wait_for(tier.get(["k-1"], [memoryview(bytearray(6000))]), 5)
-        finally:
-            release.set()
-        assert await background
-        await tier.aclose()
-        return bytes(got[0])
-
-    assert asyncio.run(main()) == b"x" * 5000
+    main()
 
 
 def test_records_over_a_unix_socket(redis_factory, tmp_path):
@@ -238,16 +215,16 @@ def test_records_over_a_unix_socket(redis_factory, tmp_path):
     socket_path = tmp_path / "r.sock"
     redis_factory("--unixsocket", str(socket_path), "--requirepass", "s3cret")
 
-    async def main():
+    def main():
         tier = RedisTier(f"unix://:s3cret@{socket_path}?db=2")
-        assert await tier.put([("k-1", b"x" * 5000), ("k-2", b"y" * 10)]) == [True, True]
-        assert await tier.contains(["k-1", "absent"]) == [True, False]
-        into = await tier.get(["k-1", "absent"], [memoryview(bytearray(6000)), memoryview(bytearray(10))])
-        whole = await tier.get(["k-2"])
+        assert tier.put([("k-1", b"x" * 5000), ("k-2", b"y" * 10)]) == [True, True]
+        assert tier.contains(["k-1", "absent"]) == [True, False]
+        into = tier.get(["k-1", "absent"], [memoryview(bytearray(6000)), memoryview(bytearray(10))])
+        whole = tier.get(["k-2"])
         assert tier.health.state == "healthy"
-        await tier.aclose()
+        tier.close()
         return bytes(into[0]), into[1], whole
 
-    assert asyncio.run(main()) == (b"x" * 5000, None, [b"y" * 10])
+    assert main() == (b"x" * 5000, None, [b"y" * 10])
     db2 = redis.Redis(unix_socket_path=str(socket_path), password="s3cret", db=2)
     assert db2.dbsize() > 0 and redis.Redis(unix_socket_path=str(socket_path), password="s3cret").dbsize() == 0
