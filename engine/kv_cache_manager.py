@@ -12,6 +12,8 @@ the model runner writes KV in, and a failed step leaves nothing half-written in 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
@@ -53,13 +55,31 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = self.hit_blocks(request.block_hashes[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    def cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The block of the prefix cache that holds `block_hash`'s KV, if any."""
+        return self.block_pool.get_cached_block(block_hash)
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
+        """The leading run of `block_hashes` that the prefix cache holds."""
         hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
+
+    def hold(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks outside any request (a blend reading them),
+        so that no allocation evicts them until `release`."""
+        self.block_pool.touch(blocks)
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the references `hold` took."""
+        self.block_pool.free_blocks(blocks)
 
     def allocate_slots(
         self,

@@ -135,7 +135,7 @@ class LLMEngine:
         self.block_hasher = BlockHasher(self.fingerprint.digest, config.block_size)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, self.block_hasher, self.connector)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.connector)
-        self.blender = Blender(self.config, self.model, kv_cache, self.kv_cache_manager, self.scheduler,
+        self.blender = Blender(self.config, self.runner, self.kv_cache_manager, self.scheduler, self.connector,
                                self.block_hasher)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}

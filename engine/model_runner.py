@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from connectors.base import NullConnector, WorkerConnector
+from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
 from engine.logprobs import TokenLogprob, TopLogprobs
 from engine.request import Request
 from engine.sampler import Sampler, make_generator, token_logprobs
@@ -65,6 +66,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._masks = MaskBuilder()  # structured outputs' token masks, built during the forward
         self._generators: dict[str, torch.Generator] = {}
+        self._rotary: ShiftRotary | None = None  # see `blend`
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         """Run one step. Without `connector_meta` (part of a failed step run again: its
@@ -92,6 +94,21 @@ class ModelRunner:
             self.connector.start_load_kv(meta)
         except Exception as exc:
             raise KVLoadError(f"loading KV into the device cache failed: {exc}") from exc
+
+    def blend(self, plan: BlendPlan) -> list[int]:
+        """Compute a blended prefill's region into the KV cache (engine/blend/forward.py):
+        the rows it computed in context. On failure the region's slots are zeroed (a
+        forward that raised may have left anything there) before the error goes up."""
+        try:
+            with torch.inference_mode():
+                if self._rotary is None:  # built at the first blend: most engines never blend
+                    self._rotary = ShiftRotary(self.model)
+                result = blend_prefill(self.model, self.kv_cache, plan, self._rotary)
+        except Exception:
+            dest = plan.dest_slots
+            self.kv_cache[dest // self.block_size, :, :, dest % self.block_size] = 0
+            raise
+        return result.rows.tolist()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's seeded generator."""

@@ -33,10 +33,12 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.blend.forward import BlendPlan, ShiftRotary, blend_prefill
+from connectors.base import SchedulerConnector
+from engine.blend.forward import BlendPlan
 from engine.blend.plan import (
     ReuseSources,
     blend_mark,
@@ -52,6 +54,9 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the runner imports the blend forward, whose package imports this module
+    from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -111,20 +116,24 @@ def _stored_chain(candidates: list[_Chain]) -> list[bytes] | None:
 
 
 class Blender:
+    """Reaches the engine through seams only: the KV-cache manager (lookup, hold and
+    release of cached blocks, allocation), the scheduler (admission of the requests it
+    hands over or starts), the connector's scheduler side (what the store holds) and the
+    model runner (the blend forward, with its failure handling and device)."""
+
     def __init__(
-        self, config: EngineConfig, model: torch.nn.Module, kv_cache: torch.Tensor,
-        kv: KVCacheManager, scheduler: Scheduler, block_hasher: BlockHasher,
+        self, config: EngineConfig, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler,
+        connector: SchedulerConnector, block_hasher: BlockHasher,
     ) -> None:
         self.recompute_ratio = config.kv_blend_recompute_ratio
         self.enabled = config.enable_prefix_caching
         self.max_num_seqs = config.max_num_seqs
-        self.model = model
-        self.kv_cache = kv_cache
+        self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
+        self.connector = connector
         self.hasher = block_hasher
         self.block_size = kv.block_size
-        self._rotary: ShiftRotary | None = None  # built at the first blend: most engines never blend
         self.waiting: dict[str, _Waiting] = {}
         self.prefills: dict[bytes, _SegmentPrefill] = {}
         self._ids = itertools.count()
@@ -220,24 +229,24 @@ class Blender:
         request.block_hashes = blended_block_hashes(
             exact, self._exact_hit(request, exact), request.prompt_token_ids, bs, self.hasher.seed,
             request.cache_salt, mark)
-        hits = self._hit_blocks(request.block_hashes[: self._loadable_blocks(request)])
+        hits = self.kv.hit_blocks(request.block_hashes[: self._loadable_blocks(request)])
         start, end = len(hits) * bs, request.num_prompt_tokens - 1
         held: list[KVBlock] = []
 
         def stored_block(segment: int, block: int) -> int | None:
-            found = self.kv.block_pool.get_cached_block(waiting.segment_hashes[segment][block])
+            found = self.kv.cached_block(waiting.segment_hashes[segment][block])
             if found is not None:
                 held.append(found)
             return None if found is None else found.block_id
 
         sources = reuse_sources(tokens.bounds, (start, end), bs, stored_block)
-        self.kv.block_pool.touch(held)  # so that allocating the region cannot evict them
+        self.kv.hold(held)  # so that allocating the region cannot evict them
         try:
             if self.kv.allocate_slots(request, 0, hits, end - start) is None:
                 return False
             recomputed = self._blend(request, start, end, sources)
         finally:
-            self.kv.block_pool.free_blocks(held)
+            self.kv.release(held)
         reused, loaded = self._count(waiting, start, sources, recomputed)
         self.counters["kv_blend_requests"] += 1
         self.counters["kv_blend_prompt_tokens"] += request.num_prompt_tokens
@@ -250,12 +259,11 @@ class Blender:
         return True
 
     def _blend(self, request: Request, start: int, end: int, sources: ReuseSources) -> list[int]:
-        """Compute positions start .. end-1 into the request's blocks; the region rows
-        computed in context. On failure the region's slots are zeroed (a forward that
-        raised may have left anything there) before the error goes up."""
+        """Compute positions start .. end-1 into the request's blocks (through the model
+        runner); the region rows computed in context."""
         if end <= start:
             return []
-        device = self.kv_cache.device
+        device = self.runner.device
         table = torch.tensor(self.kv.get_block_ids(request.request_id), dtype=torch.long)
         positions = torch.arange(end)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -268,16 +276,7 @@ class Blender:
             reuse_shift=torch.tensor(sources.shifts, dtype=torch.long, device=device),
             recompute_ratio=self.recompute_ratio,
         )
-        try:
-            with torch.inference_mode():
-                if self._rotary is None:
-                    self._rotary = ShiftRotary(self.model)
-                result = blend_prefill(self.model, self.kv_cache, plan, self._rotary)
-        except Exception:
-            dest = plan.dest_slots
-            self.kv_cache[dest // self.block_size, :, :, dest % self.block_size] = 0
-            raise
-        return result.rows.tolist()
+        return self.runner.blend(plan)
 
     # ---- segment prefills -------------------------------------------------------------------
 
@@ -366,7 +365,7 @@ class Blender:
         for candidate in candidates:
             held = candidate.on_device + candidate.in_store
             if held < candidate.needed:
-                probe = self.scheduler.connector.probe_stored_blocks(candidate.hashes, held, candidate.needed)
+                probe = self.connector.probe_stored_blocks(candidate.hashes, held, candidate.needed)
                 if probe is not None:
                     probes.append(probe)
         return probes
@@ -395,11 +394,11 @@ class Blender:
     def _held(self, chain: list[bytes], loadable: int) -> tuple[int, int]:
         """Leading blocks of `chain` (up to `loadable`) in the device cache, then how many
         after those the store holds."""
-        on_device = len(self._hit_blocks(chain[:loadable]))
-        return on_device, self.scheduler.connector.num_stored_blocks(chain, on_device, loadable)
+        on_device = len(self.kv.hit_blocks(chain[:loadable]))
+        return on_device, self.connector.num_stored_blocks(chain, on_device, loadable)
 
     def _cached(self, block_hash: bytes) -> bool:
-        return self.kv.block_pool.get_cached_block(block_hash) is not None
+        return self.kv.cached_block(block_hash) is not None
 
     def _loadable_blocks(self, request: Request) -> int:
         """Whole blocks before the prompt's last token (which is always computed)."""
@@ -409,16 +408,8 @@ class Blender:
         """Blocks of the prompt's exact prefix in the device cache."""
         if exact is None:
             exact = self.hasher.hashes(request.prompt_token_ids, request.cache_salt)
-        return len(self._hit_blocks(exact[: self._loadable_blocks(request)]))
+        return len(self.kv.hit_blocks(exact[: self._loadable_blocks(request)]))
 
-    def _hit_blocks(self, hashes: list[bytes]) -> list[KVBlock]:
-        hits = []
-        for block_hash in hashes:
-            block = self.kv.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
 
     def _count(self, waiting: _Waiting, start: int, sources: ReuseSources, recomputed: list[int]) -> tuple[int, int]:
         """Count the tokens that kept their moved KV, by where their segment's KV was

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-import engine.blend.blender as blender_module
+import engine.model_runner as model_runner
 from engine import LLM, SamplingParams, Segments
 from engine.cli import main
 from engine.config import ConfigError
@@ -145,7 +145,7 @@ def test_aborting_a_waiting_request_aborts_its_segment_prefills(checkpoint):
 
 def test_a_failing_blend_fails_its_request_alone(checkpoint, monkeypatch):
     corpus = Corpus()
-    real = blender_module.blend_prefill
+    real = model_runner.blend_prefill
     calls = []
 
     def fails_once(*args, **kwargs):
@@ -154,7 +154,7 @@ def test_a_failing_blend_fails_its_request_alone(checkpoint, monkeypatch):
             raise RuntimeError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(blender_module, "blend_prefill", fails_once)
+    monkeypatch.setattr(model_runner, "blend_prefill", fails_once)
     with make_llm(checkpoint) as llm:
         outputs = llm.generate([corpus.segments([0, 1]), corpus.segments([1, 0], 1), corpus.plain([2])],
                                GREEDY, use_tqdm=False)

@@ -144,3 +144,22 @@ def test_only_computed_blocks_are_cached():
     manager.cache_blocks(request, request.num_computed_tokens)
     hashed = [b.block_hash is not None for b in manager.get_blocks("a")]
     assert hashed == [True, False, False]
+
+
+def test_held_cached_blocks_survive_allocations_until_released():
+    """What a blend needs of the cache: look blocks up by hash, hold them outside any
+    request while it allocates, release them after."""
+    manager = KVCacheManager(4, BS)
+    first = make_request("a", list(range(2 * BS + 1)))
+    admit(manager, first)
+    manager.free(first)
+    held = manager.hit_blocks(first.block_hashes)
+    assert [b.block_id for b in held] == [manager.cached_block(h).block_id for h in first.block_hashes[:2]]
+    manager.hold(held)
+    other = make_request("b", [100 + t for t in range(2 * BS)])
+    assert manager.allocate_slots(other, 2 * BS, []) is not None  # takes the two free blocks
+    assert manager.allocate_slots(make_request("c", [200]), 1, []) is None  # the held ones are not free
+    assert manager.hit_blocks(first.block_hashes) == held
+    manager.release(held)
+    assert manager.allocate_slots(make_request("d", [300] * BS), BS, []) is not None  # evicts one now
+    assert len(manager.hit_blocks(first.block_hashes)) < 2
