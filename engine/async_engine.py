@@ -196,8 +196,7 @@ class AsyncEngine:
     so that every torch op of the process runs on one thread: OpenMP keeps a thread team
     per thread that has run a parallel region, and once a process holds more OpenMP
     threads than cores, libgomp's workers stop spinning between regions and sleep, so
-    every op then waits for a wake-up (measured: a batch-1 decode step of SmolLM2-135M on
-    2 cores, 44 ms on the thread that loaded the model, 68 ms on another).
+    every op then waits for a wake-up, a large share of a small decode step.
 
     `intra_op_threads` is the (get, set) pair of the engine's intra-op thread count
     (torch.get_num_threads, torch.set_num_threads), called on the engine thread only;

@@ -31,10 +31,9 @@ ordinary requests.
 Fair admission. A group is the requests of one client call: the n sequences of a prompt,
 and the prompts of one API call (`add_request`'s `group`). Each free `max_num_seqs` slot
 goes to a waiting request of the group that holds the fewest slots (running or loading),
-first come first served among equals. First come first served alone let one call of 8
-prompts x n=128 hold every slot for all of its 1,024 sequences while another client's
-4-token request waited behind them (478 s); now a newcomer takes the next slot that
-frees, so it waits at most for the shortest remaining run of the running sequences. Fair
+first come first served among equals. First come first served alone lets one call of
+many prompts and sequences hold every slot while another client's short request waits
+behind all of them; this way a newcomer takes the next slot that frees, so it waits at most for the shortest remaining run of the running sequences. Fair
 admission rather than a fixed per-group share of the batch: a share would leave slots
 idle while one call runs alone, and, without preempting, would not free a slot any
 sooner when a newcomer arrives.

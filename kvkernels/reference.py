@@ -35,8 +35,7 @@ def write_kv(
     zero-initialised cache being finite, since a NaN or inf there would survive the
     length mask. A request whose own KV overflows is wrong either way; this keeps it from
     spoiling the requests that later reuse its blocks (zeroing the padding per step
-    instead cost more than the attention itself: 17 vs 6 ms for 32 bf16 sequences of
-    1,280 tokens on one core)."""
+    instead costs more than the attention itself)."""
     block_size = kv_layer.shape[2]
     if bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0

@@ -549,9 +549,9 @@ class TieredStore:
         return self.pins.unpin(k.name for k in keys)
 
     def make_resident(self) -> None:
-        """Fault in all of the host memory (the cpu tier's slab) now; blocks for as long
-        as the kernel takes (about 0.4 s per GiB on an idle machine, several times that
-        on a VM whose host backs the memory lazily)."""
+        """Fault in all of the host memory (the cpu tier's slab) now, so that no step pays
+        for a first touch; blocks for as long as the kernel takes (longer on a VM whose
+        host backs its memory lazily)."""
         self._check_open()
         start = time.perf_counter()
         self.memory.make_resident()

@@ -152,9 +152,9 @@ class CpuTier(Tier):
 
     def touch_pages(self, nbytes: int) -> None:
         """Write the pages of the slots handed out first (up to `nbytes`) now: a first
-        touch on the data path costs a page fault per 4 KiB (a cold 19 MiB load took
-        13-180 ms instead of 1 ms). The slots after them are populated ahead of use by
-        the `cpu-populate` worker."""
+        touch on the data path costs a page fault per 4 KiB inside the step, many times
+        the copy itself. The slots after them are populated ahead of use on the store's
+        upkeep thread (`cpu-populate`)."""
         self.slab[: min(nbytes, self.slab.numel())].zero_()
         self._populated = max(self._populated, min(self.num_slots, nbytes // self.slot_bytes))
 
