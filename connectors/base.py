@@ -174,6 +174,11 @@ class KVConnector(SchedulerConnector, WorkerConnector, Protocol):
         gain and lose from now on."""
         ...
 
+    def stored_blocks_in(self, block_hashes: Sequence[bytes], tier: str) -> int:
+        """How many leading blocks of a sequence `tier` holds, as far as the store knows
+        once it has applied what its tiers reported (no I/O)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -246,6 +251,9 @@ class NullConnector:
 
     def watch_blocks(self, listener: IndexListener) -> None:
         return None
+
+    def stored_blocks_in(self, block_hashes: Sequence[bytes], tier: str) -> int:
+        return 0
 
     def close(self) -> None:
         return None

@@ -707,10 +707,29 @@ class RouterConfig(ListenOptions):
     health_check_interval: Seconds = option(
         2.0, "Seconds between checks of each instance's /health and /metrics; one that fails "
         "leaves the pool until it answers again.", metavar="SECONDS")
+    prefill_urls: Annotated[Names, AfterValidator(_worker_urls)] = option(
+        (), "Prefill/decode disaggregation, instead of --worker-urls: the instances each prompt is "
+        "prefilled on first (max_tokens 1, answered once its KV is in their shared Redis or disk "
+        "tier), chosen by --policy.", metavar="URL")
+    decode_urls: Annotated[Names, AfterValidator(_worker_urls)] = option(
+        (), "With --prefill-urls: the instances that then answer the request, loading the prompt's "
+        "KV from the shared tier (what they miss they compute).", metavar="URL")
 
     def check(self) -> None:
-        if not self.worker_urls:
-            raise ConfigError("worker_urls", "give the URL of at least one `kvtier serve` instance")
+        if self.prefill_urls or self.decode_urls:
+            if self.worker_urls:
+                raise ConfigError("worker_urls", "give it or --prefill-urls and --decode-urls, not both")
+            if not self.decode_urls:
+                raise ConfigError("decode_urls", "--prefill-urls needs --decode-urls too")
+            if not self.prefill_urls:
+                raise ConfigError("prefill_urls", "--decode-urls needs --prefill-urls too")
+        elif not self.worker_urls:
+            raise ConfigError("worker_urls", "give the URL of at least one `kvtier serve` instance "
+                              "(or --prefill-urls and --decode-urls)")
+
+    @property
+    def all_urls(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.worker_urls, *self.prefill_urls, *self.decode_urls)))
 
 
 def check_host_budgets(config: EngineConfig) -> None:

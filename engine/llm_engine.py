@@ -517,6 +517,12 @@ class LLMEngine:
     def kv_unpin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         return {"unpinned_chunks": self.connector.unpin(self.block_hasher.hashes(token_ids, cache_salt))}
 
+    def kv_stored_in(self, token_ids: Sequence[int], tier: str, cache_salt: str | None = None) -> tuple[int, int]:
+        """(leading full blocks of `token_ids` that `tier` holds, full blocks in all): whether
+        a prompt's KV has reached a shared tier, for a decode instance to load it."""
+        hashes = self.block_hasher.hashes(token_ids, cache_salt)
+        return self.connector.stored_blocks_in(hashes, tier), len(hashes)
+
     def kv_flush(self, tiers: Sequence[str] | None = None) -> concurrent.futures.Future[dict[str, int]]:
         """Start dropping this model's unpinned chunks from the given tiers (default all);
         returns at once with the future of the count per tier (see TieredStore.flush)."""

@@ -4,7 +4,9 @@ that sends each request to one instance and passes its answer through as it arri
 A request's body is forwarded unchanged; the router reads it only to choose (its prompt's
 blocks for --policy kv, its `user` for session). A request that fails before the
 instance's first byte (no connection, or a 5xx answer) goes once to the next instance of
-the ranking; an instance that cannot be reached leaves the pool at once.
+the ranking; an instance that cannot be reached leaves the pool at once. With
+--prefill-urls and --decode-urls, each request is first prefilled on a prefill instance
+(`_prefill`), then sent to a decode instance as it came.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-request-id")
 SESSION_HEADER = "x-session-id"
+# fields of a request that its prefill-only copy leaves out (it is answered whole, one token)
+PREFILL_DROPPED = ("stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs")
 ATTEMPTS = 2  # the first choice, then one other instance
 
 
@@ -49,7 +53,7 @@ class Router:
         self.client = client
         self.index = FleetIndex()
         self.namers: dict[str, RequestNamer] = {}
-        self.pool = WorkerPool(config.worker_urls, self.index, client, self._add_namer)
+        self.pool = WorkerPool(config.all_urls, self.index, client, self._add_namer)
         self.policies = Policies(self.index)
         self.metrics = RouterMetrics(lambda: self.pool.workers, self.index)
 
@@ -57,9 +61,12 @@ class Router:
         if info.fingerprint not in self.namers:
             self.namers[info.fingerprint] = RequestNamer(info)
 
-    async def rank(self, path: str, body: Any, headers: Any) -> tuple[list[Worker], PromptBlocks | None]:
-        """The pool best first for this request, and its prompt's blocks when known."""
-        workers = self.pool.healthy()
+    async def rank(
+        self, path: str, body: Any, headers: Any, urls: Collection[str]
+    ) -> tuple[list[Worker], PromptBlocks | None]:
+        """The instances of `urls` in the pool, best first for this request, and its
+        prompt's blocks when known."""
+        workers = [w for w in self.pool.healthy() if w.url in urls]
         model = body.get("model") if isinstance(body, dict) else None
         same_model = [w for w in workers if w.info is not None and w.info.model == model]
         workers = same_model or workers
@@ -146,7 +153,12 @@ async def _forward(router: Router, request: Request, path: str) -> Response:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         body = None  # the instance answers it with its own 400
-    ranking, prompt = await router.rank(path, body, request.headers)
+    urls = router.config.worker_urls
+    if router.config.prefill_urls:
+        if isinstance(body, dict):
+            await _prefill(router, request, path, body)
+        urls = router.config.decode_urls
+    ranking, prompt = await router.rank(path, body, request.headers, urls)
     if not ranking:
         router.metrics.unrouted.inc()
         raise _no_instance()
@@ -183,6 +195,31 @@ async def _forward(router: Router, request: Request, path: str) -> Response:
         _count_reported(router, worker, content)
         return Response(content, answer.status_code, headers=_response_headers(answer))
     raise _no_instance()
+
+
+async def _prefill(router: Router, request: Request, path: str, body: dict[str, Any]) -> None:
+    """Disaggregation's first half: the prompt alone (one output token) on a prefill
+    instance, answered once its KV is in the shared tier (engine/server/handover.py). Its
+    answer is dropped; whatever fails here, the decode instance computes what it misses."""
+    ranking, prompt = await router.rank(path, body, request.headers, router.config.prefill_urls)
+    prefill = {key: value for key, value in body.items() if key not in PREFILL_DROPPED}
+    prefill.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    for worker in ranking[:ATTEMPTS]:
+        worker.in_flight += 1
+        try:
+            answer = await router.client.post(worker.url + path, json=prefill, headers=_request_headers(request))
+        except httpx.TransportError as exc:
+            log.warning("router: prefill instance %s failed (%s)", worker.url, exc)
+            router.pool.leave(worker)
+            router.metrics.retries.inc()
+            continue
+        finally:
+            worker.in_flight -= 1
+        router.count_prediction(worker, prompt)
+        if answer.status_code >= 500:
+            router.metrics.retries.inc()
+            continue
+        return
 
 
 async def _relay(answer: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:

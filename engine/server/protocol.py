@@ -285,6 +285,13 @@ class _SamplingRequest(_Strict):
     guided_grammar: Text | None = None
     # vLLM's extra: each prompt token's logprob and the k most likely at its position
     prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (checked by the engine)
+    # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on the prefill
+    # instance's request holds the answer until the prompt's KV is in the shared tier
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def hands_over_kv(self) -> bool:
+        return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
 
     _no_penalties = field_validator("frequency_penalty", "presence_penalty")(only_neutral(0.0))
     _no_logit_bias = field_validator("logit_bias")(only_neutral(None, {}))

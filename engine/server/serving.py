@@ -18,6 +18,7 @@ from engine.blend.segments import Segments
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server.errors import APIError, engine_error
+from engine.server.handover import handover_tier, wait_for_handover
 from engine.server.prompts import completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import (
@@ -105,6 +106,7 @@ async def _run(
 ) -> Response:
     """Admit the requests (errors become 4xx/503 before any byte is sent), then answer.
     The group's requests are aborted when the client leaves or the answer is done."""
+    handover = handover_tier(state, body)
     group = RequestGroup(state.engine, jobs, body.cache_salt)
     try:
         if body.stream:
@@ -119,6 +121,8 @@ async def _run(
     for output in outputs:
         if (error := generation_error(output)) is not None:
             raise error
+    if handover is not None:
+        await wait_for_handover(state, jobs, handover, body.cache_salt)
     return json_response(fmt.response(outputs))
 
 

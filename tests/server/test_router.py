@@ -2,7 +2,8 @@
 what comes through the router equals what one instance answers, under every policy; the
 kv policy sends a prompt that repeats a prefix to the instance whose device holds it,
 known from that instance's KV events; an instance that dies leaves the pool and the
-requests it would have had are served by the other."""
+requests it would have had are served by the other; prefilled on one instance and
+decoded on another through a shared Redis, the outputs are the same."""
 
 from __future__ import annotations
 
@@ -158,6 +159,32 @@ def test_an_instance_that_dies_leaves_the_pool(instances):
     finally:
         front.stop()
         doomed.stop()
+
+
+def test_disaggregated_outputs_equal_one_instances(instances, redis_url):
+    """Each prompt prefilled on one instance, answered by another that loads its KV from the
+    shared Redis: the same tokens as one instance computing everything."""
+    first, _ = instances
+    with httpx.Client(base_url=first.url, timeout=120) as direct:
+        expected = answers(direct)
+        handover = {**completion("x"), "kv_transfer_params": {"do_remote_decode": True}}
+        refused = direct.post("/v1/completions", json=handover)  # its only tier is cpu
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
+    shared = ("--kv-offload", "cpu,redis", "--kv-offload-cpu-size", "16MiB", "--kv-chunk-tokens", "32",
+              "--kv-redis-url", redis_url)
+    prefill, decode = ServerProcess(*server_flags("builtin:tiny", *shared)), ServerProcess(*server_flags(
+        "builtin:tiny", *shared))
+    front = ServerProcess("--prefill-urls", prefill.url, "--decode-urls", decode.url, command=ROUTER)
+    try:
+        with httpx.Client(base_url=front.url, timeout=120) as client:
+            assert answers(client) == expected
+        with httpx.Client(base_url=decode.url, timeout=60) as client:
+            assert value(scrape(client), "kvtier:external_hit_tokens", tier="redis") >= 16 * 8
+        with httpx.Client(base_url=prefill.url, timeout=60) as client:
+            assert value(scrape(client), "kvtier:external_hit_tokens", tier="redis") == 0
+    finally:
+        for process in (front, prefill, decode):
+            process.stop()
 
 
 def test_router_flags_are_checked():
