@@ -184,10 +184,6 @@ class KVStoreConnector:
         run = self.store.locate(block_hashes, 0, len(block_hashes))
         return next((i for i, place in enumerate(run) if tier not in place.record.tiers), len(run))
 
-    def stored_blocks_in(self, block_hashes: Sequence[bytes], tier: str) -> int:
-        run = self.store.locate(block_hashes, 0, len(block_hashes))
-        return next((i for i, place in enumerate(run) if tier not in place.record.tiers), len(run))
-
     def close(self) -> None:
         """Finish the copies in flight and close the store (which writes out what is
         pending); loads still open are dropped with it."""
