@@ -227,6 +227,8 @@ class Scheduler:
                 continue
             if sample:
                 request.append_output_token(*sampled[request.request_id])
+                if self._stop_status(request) is None:
+                    self._jump_forward(request)
                 self._extend_hashes(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             if sample and request.request_id in self.forks:
@@ -452,8 +454,24 @@ class Scheduler:
         self.num_recomputed_tokens += max(min(start + num_new, request.peak_computed_tokens) - start, 0)
         request.peak_computed_tokens = max(request.peak_computed_tokens, start + num_new)
 
+    def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the request's grammar forces next (the fixed head of a tool
+        call, a schema's next key): the next step computes them in one go, where sampling
+        them from masks that allow nothing else would take a step each. Not when logprobs
+        are asked for, which forced tokens do not have. The forced run stops at max_tokens
+        and after a stop token or EOS, so that `_stop_status` sees those last."""
+        params = request.sampling_params
+        if request.grammar is None or params.logprobs is not None:
+            return
+        forced = request.grammar.forced_tokens()[: params.max_tokens - request.num_output_tokens]
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+        for token_id in forced:
+            request.append_output_token(token_id)
+            if token_id in stops or request.error is not None:
+                return
+
     def _extend_hashes(self, request: Request) -> None:
-        """Hash the output block the last token filled, if it filled one."""
+        """Hash the output blocks the newest tokens filled, if they filled any."""
         if request.num_tokens >= (len(request.block_hashes) + 1) * self.kv.block_size:
             self.block_hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt)
 

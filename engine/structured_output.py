@@ -12,7 +12,9 @@ thread while the forward runs (`MaskBuilder`).
 A `Grammar` follows one sequence: `fill_mask` writes the tokens allowed next as a packed
 bitmask (one bit a token, int32 words), `accept` advances over the sampled token, and
 `is_terminated` says that the grammar is complete and the sequence should stop. When the
-grammar is complete only the end-of-sequence tokens are allowed.
+grammar is complete only the end-of-sequence tokens are allowed. `forced_tokens` gives
+the text the grammar leaves no choice about, which the scheduler appends at once
+(jump-forward decoding, as SGLang calls it) instead of sampling it a token a step.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class Grammar:
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar does not allow it."""
         return self._matcher.consume_token(token_id)
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only way on from here (the fixed text of a
+        tool call's head, a schema's next key), not yet accepted."""
+        return self._matcher.compute_ff_tokens()
 
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 from engine.structured_output import GrammarError, apply_masks
 
@@ -97,6 +98,33 @@ def test_a_constrained_greedy_output_is_the_same_with_cache_hits(llm):
     assert first.metrics.num_cached_tokens == 0
     assert second.metrics.num_cached_tokens > 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+FORCED = 'start: "The order is confirmed and will ship soon: " DIGIT "."\nDIGIT: /[0-9]/\n'
+
+
+def steps_to_finish(engine, params: SamplingParams) -> tuple[int, CompletionOutput]:
+    engine.add_request("forced", PROMPT, params)
+    steps, outputs = 0, []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        steps += 1
+    return steps, next(o for o in outputs if o.finished).outputs[0]
+
+
+def test_text_the_grammar_forces_is_taken_in_one_step(llm):
+    """Jump-forward: the fixed text costs one step, not one step a token; with logprobs,
+    which forced tokens would not have, each token is sampled."""
+    steps, out = steps_to_finish(llm.engine, constrained(grammar=FORCED))
+    assert re.fullmatch(r"The order is confirmed and will ship soon: [0-9]\.", out.text)
+    assert len(out.token_ids) > 10 and steps <= 4  # prefill + digit + forced text around it
+    params = SamplingParams(max_tokens=200, temperature=0, logprobs=0,
+                            structured_outputs=StructuredOutputsParams(grammar=FORCED))
+    steps_with_logprobs, sampled = steps_to_finish(llm.engine, params)
+    assert sampled.text == out.text and len(sampled.logprobs) == len(sampled.token_ids)
+    assert steps_with_logprobs >= len(sampled.token_ids)
+    capped = llm.generate([PROMPT], constrained(max_tokens=3, grammar=FORCED), use_tqdm=False)[0].outputs[0]
+    assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
 
 
 def test_a_schema_that_cannot_be_compiled_is_refused_naming_it(llm):
