@@ -17,6 +17,8 @@ RECOVERY_TIMEOUT_S = 30  # the probe's backoff is at most 8 s
 
 
 def test_redis_down_at_start_is_degraded_then_recovers(model_path, redis_binary, tmp_path):
+    """Also the /ready of --ready-requires-tiers naming a tier that does not answer
+    (tests/server/test_ready_tiers.py has the default's)."""
     redis = RedisServer(redis_binary, tmp_path / "redis")  # its port chosen, not started yet
     process = ServerProcess(
         "--model", model_path, "--num-kv-blocks", "32", "--kv-offload", "cpu,redis",
@@ -31,6 +33,8 @@ def test_redis_down_at_start_is_degraded_then_recovers(model_path, redis_binary,
                                  "unhealthy_tiers": ["redis"]}
         ready = httpx.get(process.url + "/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "degraded"
+        assert ready.json()["ready_requires_tiers"] == ["cpu", "redis"]
+        assert ready.json()["unhealthy_tiers"] == ["redis"]
         # requests are still served, without the shared tier
         reply = httpx.post(process.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
         assert reply.status_code == 200
