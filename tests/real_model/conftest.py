@@ -6,10 +6,13 @@ tests with the command that fixes it rather than skipping them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from engine.builtin_models import BuiltinModelError, builtin_path, smollm2_gguf_path
+from tests.server.server_helpers import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +34,15 @@ def hf_smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    """The README's `kvtier serve --kv-offload cpu,disk` (no --model: SmolLM2), one process
+    for every real-model server test, with tiers small enough for a test machine (their
+    sizes change no output; the 4 GiB default cpu tier would be faulted in at start)."""
+    process = ServerProcess("--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "256MiB",
+                            "--kv-offload-disk-path", str(tmp_path_factory.mktemp("kv")),
+                            "--kv-offload-disk-size", "1GiB", "--log-level", "warning")
+    yield process
+    process.stop()

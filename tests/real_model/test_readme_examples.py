@@ -17,8 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.server_helpers import ServerProcess
-
 pytestmark = pytest.mark.timeout(900)
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 SHOWN = re.compile(r"^# -> (.+?\.)(?: \(.*\))?$", re.M)
@@ -33,17 +31,6 @@ def shown_after(marker: str) -> str:
 def test_every_shown_answer_is_checked_here():
     """Three examples show an answer; a new one needs its check below."""
     assert len(SHOWN.findall(README)) == 3
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    """The README's `kvtier serve --kv-offload cpu,disk` (with tiers small enough for a test
-    machine: their sizes change no output)."""
-    process = ServerProcess("--kv-offload", "cpu,disk", "--kv-offload-cpu-size", "256MiB",
-                            "--kv-offload-disk-path", str(tmp_path_factory.mktemp("kv")),
-                            "--kv-offload-disk-size", "1GiB", "--log-level", "warning")
-    yield process
-    process.stop()
 
 
 def test_the_generate_example(smollm2_dir):

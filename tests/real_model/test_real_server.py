@@ -6,18 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.server_helpers import ServerProcess
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    disk = tmp_path_factory.mktemp("kv")
-    process = ServerProcess("--kv-offload", "cpu,disk", "--kv-offload-disk-path", str(disk),
-                            "--log-level", "warning")
-    yield process
-    process.stop()
 
 
 @pytest.fixture
