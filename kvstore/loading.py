@@ -289,7 +289,8 @@ class Loader:
 
     def _accept(self, tier: RecordTier, read: RecordRead, header: RecordHeader) -> None:
         tier.counters.add(hits=1)
-        self._parts.findings.put(Finding(read.name, tier.name, header.first_block, header.block_hashes))
+        self._parts.findings.put(Finding(read.name, tier.name, header.first_block, header.block_hashes,
+                                         announce=not tier.remote))
         read.header = header
         read.tier = tier.name
 

@@ -24,6 +24,9 @@ class Finding:
     tier: str
     first_block: int = 0
     block_hashes: Sequence[bytes | None] | None = None
+    # False for a record read from a shared tier, which another process may have written:
+    # its writer announces it (BlockIndex.add)
+    announce: bool = True
 
 
 @dataclass(frozen=True)

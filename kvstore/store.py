@@ -303,7 +303,8 @@ class TieredStore:
             if finding.block_hashes is None:
                 self.index.discard([finding.name], finding.tier)
             else:
-                self.index.add(finding.name, finding.first_block, finding.block_hashes, finding.tier)
+                self.index.add(finding.name, finding.first_block, finding.block_hashes, finding.tier,
+                               announce=finding.announce)
         if self._probes:
             self._probes = [p for p in self._probes if not self._settle_probe(p)]
 
