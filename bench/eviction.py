@@ -111,7 +111,9 @@ def device_blocks(args: argparse.Namespace, prompt_tokens: int) -> int:
 
 def build_engines(args: argparse.Namespace, model: str, workdir: Path, sizes: tuple[int, int],
                   pool: int, prompt_tokens: int) -> dict[str, LLM]:
-    records = capacity_docs(args) * math.ceil(prompt_tokens / args.chunk_tokens)  # a prompt's tail is saved too
+    # a prompt's records: its full chunks and a tail record of its full blocks past them
+    saved_tokens = prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    records = capacity_docs(args) * math.ceil(saved_tokens / args.chunk_tokens)
     engines = {}
     for tier in args.tiers:
         for policy in EVICTION_POLICIES:

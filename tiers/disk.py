@@ -348,7 +348,8 @@ class DiskTier(RecordTier):
     def _publish(self, key: str, size: int) -> None:
         with self._lock:
             self._reserved -= size
-            self._pop_locked(key)
+            if key in self._index:  # rewritten: popping an absent key would forget its ghost (ARC)
+                self._pop_locked(key)
             self._add_locked(key, size)
 
     # ---- reads and the index ----------------------------------------------------------------

@@ -184,3 +184,18 @@ def test_disk_tier_with_arc_keeps_hot_records_through_a_scan(tmp_path):
         assert tier.put([(f"once{index}", record)]) == [True]
     assert tier.holds("hot1") and tier.holds("hot2") and tier.holds("once9")
     assert tier.entries == 4 and tier.usage_bytes == 4 * len(record)
+
+
+@pytest.mark.parametrize("name", EVICTION_POLICIES)
+def test_disk_tier_rewriting_a_recently_evicted_record_is_a_ghost_hit_for_arc(tmp_path, name):
+    """A record written again soon after its eviction goes to ARC's frequency list, where
+    the one-off records written after it do not reach it; LRU evicts it with them."""
+    record = b"x" * 1000
+    tier = DiskTier(tmp_path, 3 * len(record), eviction=name)
+    for key in ("back", "a", "b", "c"):  # c evicts back: a recency ghost
+        assert tier.put([(key, record)]) == [True]
+    assert not tier.holds("back")
+    assert tier.put([("back", record)]) == [True]
+    for index in range(4):
+        assert tier.put([(f"once{index}", record)]) == [True]
+    assert tier.holds("back") == (name == "arc")
