@@ -149,6 +149,9 @@ class KVStoreConnector:
     # ---- admin side -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, int | float]:
+        # what the tiers reported since the last step reaches the index, and the KV events,
+        # while the engine idles too (the async engine reads stats every 0.5 s then)
+        self.store.poll()
         skipped = self.store.counters["save_skipped_records"]
         return connector_stats(
             self.planner.counters, self.worker.counters, (self._saved, self._offloaded, skipped),
