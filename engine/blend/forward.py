@@ -60,7 +60,8 @@ NEIGHBOURS = 2
 # of the segment's error...
 SAMPLE_STRIDE = 32
 # ...when the recompute budget is at least this many times the sample: at lower ratios the
-# rest of the blend is too far off for a mean error to help (docs/ARCHITECTURE.md).
+# rest of the blend is too far off for a mean error to help (docs/notes/architecture-history.md,
+# "Blending").
 SAMPLE_BUDGET_SHARE = 4
 # About this many fp32 attention scores per tile of `_weighed_attention`.
 _TILE_SCORES = 1 << 21
