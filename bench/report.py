@@ -27,7 +27,7 @@ from types import ModuleType
 from bench import common, plots
 from bench.cli import WORKLOADS
 
-SECTION_ORDER = ("engine", "store", "store-hits", "long-doc-qa", "multi-round-qa", "rag", "rag-blend", "agent-replay", "throughput",
+SECTION_ORDER = ("engine", "store", "store-hits", "eviction", "long-doc-qa", "multi-round-qa", "rag", "rag-blend", "agent-replay", "throughput",
                  "zero-reuse", "preemption", "chunked-prefill", "cross-instance", "startup")
 INTRO = """\
 # Benchmarks
