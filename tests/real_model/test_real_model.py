@@ -5,6 +5,7 @@ with every store tier serving what the device cache evicted."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,11 +26,18 @@ def chat(document: str, question: str) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def long_prompts(smollm2_dir) -> list[list[int]]:
-    with LLM(model=smollm2_dir, dtype="float32", num_kv_blocks=16) as llm:
-        texts = [documents(1, chars, seed=i)[0] for i, chars in enumerate(DOCUMENT_CHARS)]
-        assert len({t[:200] for t in texts}) == len(texts), "no shared prefix between prompts"
-        prompts = [llm.engine.encode_chat(chat(t, q)) for t, q in zip(texts, QUESTIONS, strict=True)]
+def fp32_llm(smollm2_dir) -> Iterator[LLM]:
+    """The engine of the prompts' encoding and of the no-offload comparison: one load of
+    the model for both."""
+    with LLM(model=smollm2_dir, dtype="float32") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def long_prompts(fp32_llm) -> list[list[int]]:
+    texts = [documents(1, chars, seed=i)[0] for i, chars in enumerate(DOCUMENT_CHARS)]
+    assert len({t[:200] for t in texts}) == len(texts), "no shared prefix between prompts"
+    prompts = [fp32_llm.engine.encode_chat(chat(t, q)) for t, q in zip(texts, QUESTIONS, strict=True)]
     lengths = [len(p) for p in prompts]
     assert 400 <= lengths[0] <= 700 and 2600 <= lengths[-1] <= 3200, lengths
     return prompts
@@ -77,11 +85,10 @@ def test_gguf_file_decodes_like_transformers_loading_it(smollm2_gguf, long_promp
         assert greedy(llm, [prompt]) == [ids[0, len(prompt):].tolist()]
 
 
-def test_long_chat_prompts_match_transformers(smollm2_dir, long_prompts, expected):
+def test_long_chat_prompts_match_transformers(fp32_llm, long_prompts, expected):
     """All three at once: chunked prefill (the 3,000-token one spans two steps) beside
     the others' decodes."""
-    with LLM(model=smollm2_dir, dtype="float32") as llm:
-        assert greedy(llm, long_prompts) == expected
+    assert greedy(fp32_llm, long_prompts) == expected
 
 
 # 200 blocks of 16 tokens hold the 3,000-token prompt but not the three together, so
