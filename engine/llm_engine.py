@@ -81,12 +81,19 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, resident_host_memory: bool = False) -> None:
+    def __init__(self, config: EngineConfig, *, resident_host_memory: bool = False,
+                 owns_process: bool = False) -> None:
         """`resident_host_memory`: fault in the store's host memory before returning
         (KVConnector.make_resident; a server asks for it), on a thread of its own while
-        the weights are packed and the fused ops compiled."""
+        the weights are packed and the fused ops compiled. `owns_process`: the engine is
+        the process's reason to be (a server), so on CPU it sizes and binds the intra-op
+        threads of the thread building it per --cpu-threads-bind; an engine inside someone
+        else's process (`LLM(...)`) does so only when the option was given, and otherwise
+        leaves torch's threads as its caller set them."""
         self.device = resolve_device(config.device)
-        self.thread_plan = plan_for_this_process(config.cpu_threads_bind) if self.device.type == "cpu" else None
+        manages_threads = owns_process or "cpu_threads_bind" in config.model_fields_set
+        self.thread_plan = plan_for_this_process(config.cpu_threads_bind) \
+            if self.device.type == "cpu" and manages_threads else None
         if self.thread_plan is not None:
             torch.set_num_threads(self.thread_plan.num_threads)  # bound below, once compiled
         torch.manual_seed(config.seed)

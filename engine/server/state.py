@@ -87,7 +87,7 @@ def create_state(
     # A server lives long: its store's host memory is faulted in before it takes traffic,
     # so that no step pays for a first touch.
     async_engine = AsyncEngine(
-        lambda: LLMEngine(config, resident_host_memory=True),
+        lambda: LLMEngine(config, resident_host_memory=True, owns_process=True),
         max_pending_requests=settings.queue_size(config.max_num_seqs),
         observer=metrics.requests, intra_op_threads=(torch.get_num_threads, torch.set_num_threads),
     )

@@ -151,7 +151,9 @@ def test_the_cli_refuses_a_bad_value_with_the_flag_and_no_traceback():
 _ENGINE_CHILD = """
 import json, os, sys, threading, torch
 from engine import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], cpu_threads_bind=sys.argv[2], num_kv_blocks=32, fuse_elementwise=False)
+torch.set_num_threads(1)  # the caller's own choice, which an LLM without the option keeps
+bind = {"cpu_threads_bind": sys.argv[2]} if sys.argv[2] != "-" else {}
+llm = LLM(model=sys.argv[1], num_kv_blocks=32, fuse_elementwise=False, **bind)
 llm.generate(["hello"], SamplingParams(max_tokens=2))
 me = threading.get_native_id()
 others = [tid for tid in map(int, os.listdir("/proc/self/task")) if tid != me]
@@ -170,7 +172,7 @@ def _engine_threads(model: str, bind: str, cpus: set[int] | None = None) -> dict
 @needs_two_cpus
 def test_a_bound_engine_pins_its_openmp_team_one_thread_per_cpu(tiny_model_factory):
     seen = _engine_threads(tiny_model_factory(), f"{CPUS[0]},{CPUS[1]}")
-    assert seen["threads"] == 2
+    assert seen["threads"] == 2  # the option overrides the caller's torch.set_num_threads
     assert seen["main"] == [CPUS[0]]  # the thread that built the engine is the team's thread 0
     assert [CPUS[1]] in seen["others"]
 
@@ -180,6 +182,12 @@ def test_an_unbound_engine_runs_as_many_threads_as_cores_on_every_cpu(tiny_model
     seen = _engine_threads(tiny_model_factory(), "none")
     assert seen["threads"] == len(one_cpu_per_core(CPUS))
     assert seen["main"] == CPUS and all(cpus == CPUS for cpus in seen["others"])
+
+
+def test_an_llm_not_given_the_option_keeps_its_callers_threads(tiny_model_factory):
+    seen = _engine_threads(tiny_model_factory(), "-")
+    assert seen["threads"] == 1
+    assert seen["main"] == CPUS
 
 
 def test_auto_sizes_the_pool_from_the_affinity_mask(tiny_model_factory):
