@@ -37,6 +37,15 @@ from kvstore.index import IndexListener
 class ConnectorSettings:
     chunk_tokens: int
     save_decode: bool = False
+    role: str = "both"  # vLLM's kv_role: producer (saves only), consumer (loads only) or both
+
+    @property
+    def loads(self) -> bool:
+        return self.role != "producer"
+
+    @property
+    def saves(self) -> bool:
+        return self.role != "consumer"
 
 
 class KVStoreConnector:
@@ -44,7 +53,7 @@ class KVStoreConnector:
         self.store = store
         self.settings = settings
         self.geometry = ChunkGeometry(block_size=kv_cache.shape[3], chunk_tokens=settings.chunk_tokens)
-        self.planner = Planner(store, self.geometry, settings.save_decode)
+        self.planner = Planner(store, self.geometry, settings.save_decode, loads=settings.loads, saves=settings.saves)
         self.worker = Worker(store, kv_cache, self.geometry.block_size)
         self._unstarted: StepMeta | None = None  # built, not started yet
         self._started: StepMeta | None = None  # started, its saves not done yet

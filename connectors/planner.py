@@ -157,10 +157,15 @@ class PlannerCounters:
 
 
 class Planner:
-    def __init__(self, store: StoreIndex, geometry: ChunkGeometry, save_decode: bool) -> None:
+    """`loads` and `saves` say which half of the store this instance uses (its kv_role:
+    a producer never loads, a consumer never saves)."""
+
+    def __init__(self, store: StoreIndex, geometry: ChunkGeometry, save_decode: bool, *,
+                 loads: bool = True, saves: bool = True) -> None:
         self.store = store
         self.geometry = geometry
         self.save_decode = save_decode
+        self.loads, self.saves = loads, saves
         self.counters = PlannerCounters()
         self.requests: dict[str, RequestKV] = {}
         self.loading: dict[str, PlannedLoad] = {}  # admitted, asynchronous, not yet done
@@ -175,6 +180,8 @@ class Planner:
         """Tokens the store supplies after a device hit of `num_computed` tokens and
         whether they arrive asynchronously; None while a probe or prefetch of this request
         is still out, or another request reads a record it needs (ask again next step)."""
+        if not self.loads:
+            return 0, False
         state = self._state(request.request_id)
         bs = self.geometry.block_size
         start, end = num_computed // bs, self.geometry.loadable_blocks(request.num_tokens)
@@ -251,6 +258,8 @@ class Planner:
 
     def prefetch(self, requests: Sequence[ConnectorRequest]) -> None:
         """Queued requests: probe remote indexes early, pull lower-tier records into cpu."""
+        if not self.loads:
+            return
         for request in requests:
             state = self._state(request.request_id)
             end = self.geometry.loadable_blocks(request.num_tokens)
@@ -338,6 +347,8 @@ class Planner:
 
     def _completed(self, request: ConnectorRequest, block_ids: list[int]) -> list[SavePlan]:
         """Records the step completes for `request` that the store does not hold."""
+        if not self.saves:
+            return []
         state = self._state(request.request_id)
         computed = request.num_computed_tokens
         if not self.save_decode:

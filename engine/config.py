@@ -149,6 +149,14 @@ def expand_path(value: str) -> str:
     return os.path.expandvars(os.path.expanduser(value))
 
 
+KV_ROLES = ("producer", "consumer", "both")
+
+
+def _kv_role(value: Any) -> Any:
+    """vLLM's spelling (kv_producer, kv_consumer, kv_both) reads as kvtier's."""
+    return value.removeprefix("kv_") if isinstance(value, str) else value
+
+
 def _device(value: str) -> str:
     if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
         raise ValueError(f"{value!r} is not auto, cpu or cuda[:N]")
@@ -347,6 +355,11 @@ class StoreOptions(Options):
     kv_secret_file: PathOption | None = option(
         None, "File holding the --kv-secret (its text without the trailing newline).", metavar="FILE")
     kv_save_decode: bool = option(False, "Also save chunks completed during decoding, not only prompt chunks.")
+    kv_role: Annotated[Literal["producer", "consumer", "both"], BeforeValidator(_kv_role)] = option(
+        "both", "What this instance does with the store (vLLM's roles; kv_producer etc. accepted): "
+        "producer saves what it computes but never loads (a prefill instance); consumer loads but "
+        "never saves (a decode instance); both. Not both implies --preemption-mode recompute.",
+        metavar="{" + ",".join(KV_ROLES) + "}")
     kv_load_timeout: Seconds = option(
         STORE_DEFAULT, "Seconds to wait for a disk/redis load before recomputing instead.",
         metavar="SECONDS", store="load_timeout_s")
@@ -388,6 +401,8 @@ class StoreOptions(Options):
             if self.kv_secret:
                 raise ConfigError("kv_secret_file", "give --kv-secret or --kv-secret-file, not both")
             self.kv_secret, self.kv_secret_file = read_secret_file(self.kv_secret_file), None
+        if self.kv_role != "both" and not self.kv_offload:
+            raise ConfigError("kv_role", f"{self.kv_role} needs a store to share (--kv-offload)")
         if self.kv_compress == "none":
             self.kv_compress = None
         try:
@@ -483,6 +498,9 @@ class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions, VllmOptions):
         self._check_vllm()
         if self.preemption_mode == "offload" and "cpu" not in self.kv_offload:
             raise ConfigError("preemption_mode", "offload needs the cpu tier (--kv-offload cpu,...)")
+        if self.preemption_mode == "offload" and self.kv_role != "both":
+            raise ConfigError("preemption_mode", f"offload saves and loads a preempted request's KV; "
+                              f"--kv-role {self.kv_role} does only one of them")
         if self.kv_chunk_tokens % self.block_size:
             raise ConfigError(
                 "kv_chunk_tokens",
@@ -493,7 +511,7 @@ class EngineConfig(ModelOptions, SchedulerOptions, StoreOptions, VllmOptions):
     def effective_preemption_mode(self) -> str:
         if self.preemption_mode:
             return self.preemption_mode
-        return "offload" if "cpu" in self.kv_offload else "recompute"
+        return "offload" if "cpu" in self.kv_offload and self.kv_role == "both" else "recompute"
 
 
 class ListenOptions(Options):

@@ -28,7 +28,8 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
         return NullConnector()
     from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
 
-    settings = ConnectorSettings(chunk_tokens=config.kv_chunk_tokens, save_decode=config.kv_save_decode)
+    settings = ConnectorSettings(
+        chunk_tokens=config.kv_chunk_tokens, save_decode=config.kv_save_decode, role=config.kv_role)
     options = config.store_options()
     options["staging_size"] = staging_size(config, chunk_bytes(config, kv_cache))
     try:

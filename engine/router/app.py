@@ -30,6 +30,7 @@ from engine.router.fleet_index import FleetIndex
 from engine.router.metrics import CONTENT_TYPE, RouterMetrics
 from engine.router.naming import PromptBlocks, RequestNamer
 from engine.router.policies import Policies
+from engine.router.roles import check_roles, role_conflict
 from engine.router.workers import Worker, WorkerPool
 from engine.server.api_server import bind_socket
 from engine.server.errors import SERVER_ERROR, APIError, install_error_handlers
@@ -53,7 +54,8 @@ class Router:
         self.client = client
         self.index = FleetIndex()
         self.namers: dict[str, RequestNamer] = {}
-        self.pool = WorkerPool(config.all_urls, self.index, client, self._add_namer)
+        self.pool = WorkerPool(config.all_urls, self.index, client, self._add_namer,
+                               lambda url, info: role_conflict(config, url, info))
         self.policies = Policies(self.index)
         self.metrics = RouterMetrics(lambda: self.pool.workers, self.index)
 
@@ -257,6 +259,7 @@ def serve_router(config: RouterConfig) -> int:
     """Run the router until SIGINT/SIGTERM."""
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     disable_created_metrics()
+    check_roles(config)
     sock = bind_socket(config.host, config.port)
     print(f"kvtier router\n  policy   {config.policy}\n  workers  {' '.join(config.worker_urls)}\n"
           f"  URL      http://{config.host}:{sock.getsockname()[1]}", flush=True)

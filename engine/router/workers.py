@@ -36,6 +36,7 @@ class Worker:
     in_flight: int = 0  # requests the router has sent there and not finished
     waiting: float = 0.0  # from its /metrics
     kv_usage: float = 0.0
+    refused: str | None = None  # why it answers but stays out of the pool (logged once)
     stream: EventStream | None = field(default=None, repr=False)
 
 
@@ -43,11 +44,14 @@ class WorkerPool:
     def __init__(
         self, urls: Sequence[str], index: FleetIndex, client: httpx.AsyncClient,
         on_join: Callable[[InstanceInfo], object] = lambda info: None,
+        refuse: Callable[[str, InstanceInfo], Exception | None] = lambda url, info: None,
     ) -> None:
+        """`refuse(url, info)`: why an answering instance must stay out of the pool, or None."""
         self.workers = [Worker(url) for url in urls]
         self._index = index
         self._client = client
         self._on_join = on_join
+        self._refuse = refuse
 
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
@@ -72,6 +76,14 @@ class WorkerPool:
                 log.warning("router: %s leaves the pool (%s)", worker.url, exc)
             self.leave(worker)
             return
+        refused = self._refuse(worker.url, info)
+        if refused is not None:
+            if worker.refused != str(refused):
+                log.error("router: %s stays out of the pool (%s)", worker.url, refused)
+            worker.refused = str(refused)
+            self.leave(worker)
+            return
+        worker.refused = None
         stream_failed = worker.stream is not None and not worker.stream.alive
         if worker.info is None or info.instance_id != worker.info.instance_id or stream_failed:
             await self._join(worker, info)

@@ -39,6 +39,7 @@ class InstanceInfo(BaseModel):
     # first block's extra (engine/hashing.py)
     fingerprint: str
     tiers: list[str]
+    kv_role: str = "both"  # --kv-role: producer, consumer or both
     # the same value on every instance that loads from the same Redis and key prefix
     shared_store: str | None
     kv_events: EventEndpoints | None
@@ -56,7 +57,7 @@ def instance_info(engine: LLMEngine, model_name: str, tool_call_parser: str) -> 
         chat_template=engine.tokenizer.chat_template, max_model_len=config.max_model_len,
         kv_blend_separator=config.kv_blend_separator, tool_call_parser=tool_call_parser,
         block_size=config.block_size, fingerprint=engine.fingerprint.hex, tiers=list(config.kv_offload),
-        shared_store=shared,
+        kv_role=config.kv_role, shared_store=shared,
         kv_events=None if events is None else EventEndpoints(
             endpoint=events.publisher.endpoint, replay_endpoint=events.publisher.replay_endpoint,
             topic=events.config.topic,

@@ -162,8 +162,9 @@ def test_an_instance_that_dies_leaves_the_pool(instances):
 
 
 def test_disaggregated_outputs_equal_one_instances(instances, redis_url):
-    """Each prompt prefilled on one instance, answered by another that loads its KV from the
-    shared Redis: the same tokens as one instance computing everything."""
+    """Each prompt prefilled on one instance (a producer), answered by another (a consumer)
+    that loads its KV from the shared Redis: the same tokens as one instance computing
+    everything."""
     first, _ = instances
     with httpx.Client(base_url=first.url, timeout=120) as direct:
         expected = answers(direct)
@@ -172,8 +173,8 @@ def test_disaggregated_outputs_equal_one_instances(instances, redis_url):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
     shared = ("--kv-offload", "cpu,redis", "--kv-offload-cpu-size", "16MiB", "--kv-chunk-tokens", "32",
               "--kv-redis-url", redis_url)
-    prefill, decode = ServerProcess(*server_flags("builtin:tiny", *shared)), ServerProcess(*server_flags(
-        "builtin:tiny", *shared))
+    prefill = ServerProcess(*server_flags("builtin:tiny", *shared, "--kv-role", "producer"))
+    decode = ServerProcess(*server_flags("builtin:tiny", *shared, "--kv-role", "consumer"))
     front = ServerProcess("--prefill-urls", prefill.url, "--decode-urls", decode.url, command=ROUTER)
     try:
         with httpx.Client(base_url=front.url, timeout=120) as client:
@@ -185,6 +186,24 @@ def test_disaggregated_outputs_equal_one_instances(instances, redis_url):
     finally:
         for process in (front, prefill, decode):
             process.stop()
+
+
+def test_a_router_refuses_an_instance_whose_role_cannot_play_its_part():
+    """A consumer never saves, so it cannot prefill for another; a producer never loads,
+    so it cannot decode what another prefilled: the router names the flag and the URL."""
+    import subprocess
+
+    consumer = ServerProcess(*server_flags("builtin:tiny", "--kv-offload", "cpu", "--kv-offload-cpu-size", "16MiB",
+                                           "--kv-role", "consumer"))
+    try:
+        with httpx.Client(base_url=consumer.url, timeout=60) as client:
+            assert client.get("/instance").json()["kv_role"] == "consumer"
+        done = subprocess.run([*ROUTER, "--prefill-urls", consumer.url, "--decode-urls", consumer.url],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        consumer.stop()
+    assert done.returncode == 2, done.stderr
+    assert f"--prefill-urls: {consumer.url} is --kv-role consumer" in done.stderr, done.stderr
 
 
 def test_router_flags_are_checked():
