@@ -174,6 +174,7 @@ def test_admin_store_operations(http):
     assert "flushed_chunks" in flush.json()
 
 
+@pytest.mark.timeout(300)  # its setup may start the storeless server, which takes minutes on a loaded host
 def test_store_operations_answer_501_without_a_store(storeless_server):
     url = storeless_server.url
     for path, body in (("/kv/pin", {"prompt": "abc"}), ("/kv/unpin", {"prompt": "abc"}), ("/kv/flush", {})):
