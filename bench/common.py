@@ -87,7 +87,7 @@ COSTS: dict[str, str] = {
     "cross-instance": "--smoke: ~79 s, 2.9 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
     "engine": "--smoke: ~2.6 min, 2.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
     "long-doc-qa": "--smoke: under ~1.7 min (measured before its sizes shrank), 1.3 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
-    "eviction": "--smoke: ~2.5 min, 0.8 GiB max RSS (2-core VM, load average ~15); full size: not measured here",
+    "eviction": "--smoke: ~2.5 min, 0.8 GiB max RSS (2-core VM, load average ~15); full size: ~27 min, about 5 GiB RSS with its 4 engines (load average ~14)",
     "multi-round-qa": "--smoke: ~2.4 min, 1.3 GiB max RSS (2-core VM, load average ~8); full size: not measured here; its 3 timed variants alone took ~2.5 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
     "preemption": "--smoke: ~86 s, 1.1 GiB max RSS (2-core VM, load average ~6); full size: not measured here",
     "rag": "--smoke: ~94 s, 1.5 GiB max RSS (2-core VM, load average ~7); full size: not measured here; its 3 timed variants alone took ~2.4 min on a quiet 2-core VM (docs/BENCHMARKS.md)",
