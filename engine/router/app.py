@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import disable_created_metrics
 
 from engine.config import RouterConfig
-from engine.router.fleet_index import FleetIndex
+from engine.router.fleet_index import FleetIndex, Holding
 from engine.router.metrics import CONTENT_TYPE, RouterMetrics
 from engine.router.naming import PromptBlocks, RequestNamer
 from engine.router.policies import Policies
@@ -89,11 +89,17 @@ class Router:
             ranking = self.policies.session(workers, headers.get(SESSION_HEADER) or key)
         return ranking, prompt
 
-    def count_prediction(self, worker: Worker, prompt: PromptBlocks | None) -> None:
-        self.metrics.decisions.labels(self.config.policy, worker.url).inc()
+    def predict(self, worker: Worker, prompt: PromptBlocks | None) -> Holding | None:
+        """What `worker` holds of the prompt, read before the request is sent: once it
+        runs there, its own blocks' events would count as predicted."""
         if prompt is None or worker.info is None:
+            return None
+        return self.index.holdings([worker.url], prompt.blocks)[worker.url]
+
+    def count_prediction(self, worker: Worker, holding: Holding | None) -> None:
+        self.metrics.decisions.labels(self.config.policy, worker.url).inc()
+        if holding is None or worker.info is None:
             return
-        holding = self.index.holdings([worker.url], prompt.blocks)[worker.url]
         block_size = worker.info.block_size
         self.metrics.predicted_cached.labels(worker.url, "device").inc(holding.device * block_size)
         for tier, blocks in holding.loadable.items():
@@ -169,6 +175,7 @@ async def _forward(router: Router, request: Request, path: str) -> Response:
     for attempt, worker in enumerate(ranking[:ATTEMPTS]):
         last = attempt == min(len(ranking), ATTEMPTS) - 1
         worker.in_flight += 1
+        holding = router.predict(worker, prompt)
         try:
             answer = await router.client.send(
                 router.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
@@ -185,7 +192,7 @@ async def _forward(router: Router, request: Request, path: str) -> Response:
             worker.in_flight -= 1
             router.metrics.retries.inc()
             continue
-        router.count_prediction(worker, prompt)
+        router.count_prediction(worker, holding)
         if streamed:
             return StreamingResponse(_relay(answer, worker), status_code=answer.status_code,
                                      headers=_response_headers(answer))
@@ -208,6 +215,7 @@ async def _prefill(router: Router, request: Request, path: str, body: dict[str, 
     prefill.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
     for worker in ranking[:ATTEMPTS]:
         worker.in_flight += 1
+        holding = router.predict(worker, prompt)
         try:
             answer = await router.client.post(worker.url + path, json=prefill, headers=_request_headers(request))
         except httpx.TransportError as exc:
@@ -217,7 +225,7 @@ async def _prefill(router: Router, request: Request, path: str, body: dict[str, 
             continue
         finally:
             worker.in_flight -= 1
-        router.count_prediction(worker, prompt)
+        router.count_prediction(worker, holding)
         if answer.status_code >= 500:
             router.metrics.retries.inc()
             continue

@@ -27,7 +27,8 @@ LOAD_TOKENS = 256
 
 def load(worker: Worker) -> float:
     """Requests on an instance: those the router has in flight there, plus those its
-    /metrics last reported waiting (clients that bypass the router queue there too). Not
+    /metrics last reported waiting that the router did not send (clients that bypass the
+    router queue there too). Not
     its reported running count: that is up to --health-check-interval old, and a request
     that has just finished would keep counting against the instance that holds its KV."""
     return worker.in_flight + worker.waiting

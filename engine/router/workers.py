@@ -34,7 +34,7 @@ class Worker:
     info: InstanceInfo | None = None
     healthy: bool = False
     in_flight: int = 0  # requests the router has sent there and not finished
-    waiting: float = 0.0  # from its /metrics
+    waiting: float = 0.0  # waiting there and not sent by the router (see _read_load)
     kv_usage: float = 0.0
     refused: str | None = None  # why it answers but stays out of the pool (logged once)
     stream: EventStream | None = field(default=None, repr=False)
@@ -115,7 +115,13 @@ class WorkerPool:
 
     @staticmethod
     def _read_load(worker: Worker, text: str) -> None:
+        """The instance's gauges. Its waiting count less the router's requests in flight
+        there: those count already, and without the subtraction a request that was
+        waiting (for a Redis lookup, say) when the gauge was read would count against the
+        instance until the next check, long after it finished there, steering the kv
+        policy away from the instance that holds its KV."""
         for family in text_string_to_metric_families(text):
             attribute = _LOAD_GAUGES.get(family.name)
             if attribute is not None and family.samples:
                 setattr(worker, attribute, sum(s.value for s in family.samples))
+        worker.waiting = max(0.0, worker.waiting - worker.in_flight)
