@@ -35,6 +35,7 @@ WORKLOADS = {
     "structured-outputs": ("bench.structured_outputs", "JSON schemas and tool calls: validity, and cost vs free text"),
     "vs-vllm": ("bench.vs_vllm", "kvtier against vLLM's CPU build through both servers (given --vllm-venv)"),
     "router-index": ("bench.router_index", "the router's index at fleet scale: event ingestion and scoring a long request"),
+    "fleet": ("bench.fleet", "instances behind kvtier router: kv vs round-robin vs session, with and without a shared Redis"),
     "neighbours": ("bench.neighbours", "batch-1 decode and prefix-hit TTFT beside neighbours that take CPU"),
 }
 

@@ -98,6 +98,7 @@ COSTS: dict[str, str] = {
     "store-hits": "--smoke: ~84 s, 0.9 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
     "structured-outputs": "--smoke: ~3.0 min, 1.6 GiB max RSS (2-core VM, load average ~8); full size: not measured here",
     "throughput": "--smoke: ~1.9 min, 1.4 GiB max RSS (2-core VM, load average ~7); full size: not measured here",
+    "fleet": "--smoke: ~4.3 min, 2.2 GiB RSS over its processes (2 instances, a router, Redis; 2-core VM, load average ~5-9); full size: not measured here (2 fleets of 2 SmolLM2 instances, one thread each: expect well over 30 min on 2 cores)",
     "neighbours": "--smoke: ~4 min, 1.5 GiB RSS over its processes (2-core VM, load average ~16); full size: not measured here; with --vllm-venv add vLLM's start (minutes) and ~3.3 GB",
     "vs-vllm": "--smoke: ~3 min, 1.0 GiB RSS over its processes (2-core VM, load average ~16); full size: not measured here; with --vllm-venv add vLLM's start (minutes) and ~3.3 GB",
     "zero-reuse": "--smoke: ~75 s, 1.9 GiB max RSS (2-core VM, load average ~6); full size: not measured here; its 5 passes of 2 runs of ~23 s took ~4 min on a quiet 2-core VM (docs/BENCHMARKS.md)",

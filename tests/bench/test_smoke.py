@@ -22,7 +22,7 @@ from bench.cli import WORKLOADS
 from bench.cli import main as bench_main
 from bench.kv_common import find_redis_server
 
-NEEDS_REDIS = ("cross-instance", "store-hits")
+NEEDS_REDIS = ("cross-instance", "store-hits", "fleet")
 # the store alone (its smoke skips the model's KV); the built-in model's start-up
 NO_MODEL = ("store", "startup", "router-index")
 # Workloads on the shared driver, which record the model and their --smoke
@@ -83,7 +83,8 @@ def test_workload_writes_valid_results(smoke_run, tiny_model_factory, workload: 
 
 # Workloads whose smoke must load KV from the store (not only save it), and where it shows.
 STORE_LOADS = {"multi-round-qa": "store_hit_tokens", "rag": "store_hit_tokens",
-               "agent-replay": "store_hit_tokens", "preemption": "loaded_tokens", "cross-instance": "redis"}
+               "agent-replay": "store_hit_tokens", "preemption": "loaded_tokens", "cross-instance": "redis",
+               "fleet": "loaded_tokens"}
 
 
 def values_of(data: object, key: str) -> list[object]:
