@@ -78,7 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--latency-tokens", type=int, default=2000)
     p.add_argument("--latency-requests", type=int, default=40)
-    p.add_argument("--kv-pool", default="1GiB", help="Device KV pool of each instance.")
+    p.add_argument("--kv-pool", default="2GiB", help="Device KV pool of each instance (the decode instance "
+                   "of the disaggregation scenario holds every long prompt at once: 4 x 6,000 tokens of SmolLM2 "
+                   "in fp32 are about 1.1 GiB).")
     p.add_argument("--cpu-tier", default="256MiB", help="cpu tier of each instance (faulted in at start).")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--no-disaggregation", dest="disaggregation", action="store_false",
