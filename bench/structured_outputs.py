@@ -9,7 +9,7 @@ its function's schema.
 Cost, in the same run, with and without a schema, interleaved (--repeats rounds):
 - throughput: --concurrency requests at once, each --output-len tokens (the schema's
   output is longer than that, the free one ignores EOS, so both run to the same length);
-- batch-1 decode: one streamed request, the median gap between its tokens.
+- batch-1 decode: one streamed request, the time per output token after its first chunk.
 Targets (issue 47): 50 of 50 valid each; throughput with a schema >= 0.85x without;
 batch-1 decode with a schema <= 1.15x without.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import statistics
 import time
@@ -31,7 +30,7 @@ from bench.summary import publish, run_stamp
 
 NAME = "structured-outputs"
 SMOKE = {"model": "builtin:tiny", "requests_per_schema": 1, "tool_calls": 2, "concurrency": 2,
-         "output_len": 8, "repeats": 1, "schemas": 2}
+         "output_len": 24, "repeats": 1, "schemas": 2}
 THROUGHPUT_TARGET = 0.85
 DECODE_TARGET = 1.15
 SERVED_NAME = "bench"
@@ -181,13 +180,21 @@ async def throughput(client: Any, args: argparse.Namespace, constrained: bool) -
 
 
 async def decode_gap(client: Any, args: argparse.Namespace, constrained: bool) -> float:
-    """Median seconds between the streamed tokens of one request."""
-    stamps = []
-    async for chunk in await client.chat.completions.create(stream=True, seed=0, **cost_request(args, constrained)):
+    """Seconds per output token after the first streamed chunk of one request: from that
+    chunk to the last, over the tokens after the first. Gaps between chunks would not be
+    per token: text a grammar forces arrives several tokens to a chunk."""
+    first = last = None
+    tokens = 0
+    async for chunk in await client.chat.completions.create(
+            stream=True, seed=0, stream_options={"include_usage": True}, **cost_request(args, constrained)):
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.role is None:
-            stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # from the first token on
-    return statistics.median(gaps)
+            last = time.perf_counter()
+            first = first or last
+    if first is None or tokens < 2:
+        raise RuntimeError(f"a decode-gap request streamed {tokens} tokens; --output-len must be at least 2")
+    return (last - first) / (tokens - 1)
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -240,7 +247,7 @@ def render(args: argparse.Namespace, measured: dict[str, Any], summary: dict[str
             [f"throughput, {args.concurrency} requests (output tok/s)", f"{summary['tok_s_free']:.1f}",
              f"{summary['tok_s_schema']:.1f}", f"{summary['throughput_ratio']:.2f}",
              f">= {THROUGHPUT_TARGET} ({verdict(summary['throughput_ratio'] >= THROUGHPUT_TARGET)})"],
-            ["batch-1 decode (median ms between tokens)", f"{summary['gap_free_s'] * 1e3:.1f}",
+            ["batch-1 decode (ms per output token after the first)", f"{summary['gap_free_s'] * 1e3:.1f}",
              f"{summary['gap_schema_s'] * 1e3:.1f}", f"{summary['decode_ratio']:.2f}",
              f"<= {DECODE_TARGET} ({verdict(summary['decode_ratio'] <= DECODE_TARGET)})"],
         ]), "",
