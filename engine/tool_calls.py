@@ -178,9 +178,30 @@ class HermesParser(ToolCallParser):
         return f"{json.dumps(self.open_tag + chr(10))} {json_rule} {json.dumps(chr(10) + self.close_tag)}"
 
     def split(self, text: str) -> tuple[str, list[str]]:
-        pattern = re.compile(re.escape(self.open_tag) + r"(.*?)(?:" + re.escape(self.close_tag) + r"|$)", re.DOTALL)
-        blocks = [m.group(1).strip() for m in pattern.finditer(text)]
-        return pattern.sub("", text), blocks
+        content, blocks, position = "", [], 0
+        while (start := text.find(self.open_tag, position)) >= 0:
+            content += text[position:start]
+            body = start + len(self.open_tag)
+            end = self.close_at(text, body)
+            if end < 0:  # no complete call: the first closing tag, or the end, closes it
+                end = text.find(self.close_tag, body)
+            end = len(text) if end < 0 else end
+            blocks.append(text[body:end].strip())
+            position = min(end + len(self.close_tag), len(text))
+        return content + text[position:], blocks
+
+    def close_at(self, text: str, body: int) -> int:
+        """Where the call whose block starts at `body` closes: the first closing tag after
+        which the block is whole JSON (a tag inside one of its strings closes nothing);
+        -1 if there is none yet."""
+        end = text.find(self.close_tag, body)
+        while end >= 0:
+            try:
+                json.loads(text[body:end])
+                return end
+            except ValueError:
+                end = text.find(self.close_tag, end + 1)
+        return -1
 
     def stream(self) -> ToolCallStream:
         return HermesStream(self)
@@ -281,34 +302,42 @@ class HermesStream(ToolCallStream):
 
     def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
         self.text += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[CallDelta]]:
+        """Deal with the text not dealt with yet; `final`: the output has ended, so a call
+        with no whole-JSON close ends at its first closing tag or at the end, and nothing
+        is held back."""
         content, calls = "", []
         while True:
             if self.in_call:
-                end = self.text.find(self.close_tag, self.sent)
-                limit = end if end >= 0 else len(self.text) - _partial_suffix(self.text, self.close_tag, self.sent)
-                not_a_call, pieces = self._stream_call(limit, closed=end >= 0)
-                content, calls = content + not_a_call, calls + pieces
+                end = self.parser.close_at(self.text, self.sent)
+                if end < 0 and final:
+                    end = self.text.find(self.close_tag, self.sent)
+                    end = len(self.text) if end < 0 else end
                 if end < 0:
-                    return self._content(content), calls
-                self.sent, self.in_call = end + len(self.close_tag), False
+                    # Arguments stream up to the first closing tag: past it only once the
+                    # JSON shows that tag was inside a string.
+                    tag = self.text.find(self.close_tag, self.sent)
+                    limit = tag if tag >= 0 else len(self.text) - _partial_suffix(self.text, self.close_tag, self.sent)
+                    not_a_call, pieces = self._stream_call(limit, closed=False)
+                    return self._content(content + not_a_call), calls + pieces
+                not_a_call, pieces = self._stream_call(end, closed=True)
+                content, calls = content + not_a_call, calls + pieces
+                self.sent, self.in_call = min(end + len(self.close_tag), len(self.text)), False
                 continue
             start = self.text.find(self.open_tag, self.sent)
             if start >= 0:
                 content += self.text[self.sent:start]
                 self.sent, self.in_call, self.arguments_at = start + len(self.open_tag), True, None
                 continue
-            keep = _partial_suffix(self.text, self.open_tag, self.sent)
+            keep = 0 if final else _partial_suffix(self.text, self.open_tag, self.sent)
             content += self.text[self.sent:len(self.text) - keep]
             self.sent = len(self.text) - keep
             return self._content(content), calls
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        if not self.in_call:  # held back: the start of a tag that never came
-            content, self.sent = self.text[self.sent:], len(self.text)
-            return self._content(content), []
-        not_a_call, calls = self._stream_call(len(self.text), closed=True)  # a call left open: the model stopped
-        self.sent, self.in_call = len(self.text), False
-        return self._content(not_a_call), calls
 
     def _stream_call(self, limit: int, closed: bool) -> tuple[str, list[CallDelta]]:
         """The pieces of the open call (its block runs from `self.sent`) sendable with the

@@ -120,6 +120,20 @@ def test_hermes_stream_sends_a_call_of_another_shape_whole_at_its_end():
     assert (text, pieces) == ("<tool_call>\nnot json", [])
 
 
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_a_closing_tag_inside_an_argument_string_does_not_close_the_call(piece):
+    """A forced call's free string may hold the closing tag itself (seen with the 135M
+    model); the call ends at the first tag after which its JSON is whole."""
+    parser = HermesParser()
+    text = parser.call_text("get_weather", {"city": "Oslo</tool_call>\n# no", "unit": "f"}) + " Done."
+    content, calls = parser.parse(text)
+    assert (content, calls_of(calls)) == ("Done.", [("get_weather", {"city": "Oslo</tool_call>\n# no", "unit": "f"})])
+    streamed_content, pieces = streamed(parser, text, piece)
+    assert (streamed_content.strip(), assembled(pieces)) == (content, calls_of(calls))
+    _, broken = parser.parse('<tool_call>\n{"name": "add", "arguments": {"a": </tool_call> after')
+    assert broken == []  # not JSON at any tag: the first tag closes it, as before
+
+
 def test_hermes_stream_holds_back_what_may_open_a_call():
     stream = HermesParser().stream()
     assert stream.feed("Hi <tool") == ("Hi ", [])
