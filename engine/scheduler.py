@@ -227,7 +227,7 @@ class Scheduler:
                 continue
             if sample:
                 request.append_output_token(*sampled[request.request_id])
-                if self._stop_status(request) is None:
+                if request.grammar is not None and self._stop_status(request) is None:
                     self._jump_forward(request)
                 self._extend_hashes(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
@@ -461,7 +461,7 @@ class Scheduler:
         are asked for, which forced tokens do not have. The forced run stops at max_tokens
         and after a stop token or EOS, so that `_stop_status` sees those last."""
         params = request.sampling_params
-        if request.grammar is None or params.logprobs is not None:
+        if params.logprobs is not None:
             return
         forced = request.grammar.forced_tokens()[: params.max_tokens - request.num_output_tokens]
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
