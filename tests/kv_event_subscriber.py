@@ -113,11 +113,13 @@ class Subscriber:
                 self.held.get(event.medium, set()).difference_update(event.block_hashes)
         self.next_seq += 1
 
-    def wait_for(self, medium: str, timeout_s: float) -> set[int]:
-        """Apply live batches until `medium` holds blocks (a deadline, not a measured time)."""
+    def wait_for(self, medium: str, blocks: int, timeout_s: float) -> set[int]:
+        """Apply live batches until `medium` holds `blocks` blocks: a store finishes its
+        writes chunk by chunk, in as many batches (a deadline, not a measured time)."""
         deadline = time.monotonic() + timeout_s
-        while not self.held.get(medium):
-            assert time.monotonic() < deadline, f"no {medium} blocks after {timeout_s:.0f} s"
+        while len(self.held.get(medium, ())) < blocks:
+            held = len(self.held.get(medium, ()))
+            assert time.monotonic() < deadline, f"{held} of {blocks} {medium} blocks after {timeout_s:.0f} s"
             if self.sub.poll(100):
                 _topic, seq_bytes, payload = self.sub.recv_multipart()
                 if int.from_bytes(seq_bytes, "big") > self.next_seq:

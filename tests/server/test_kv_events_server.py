@@ -23,7 +23,7 @@ def test_an_idle_server_publishes_the_writes_behind_its_last_request(model_path,
                                     host + events["replay_endpoint"].rsplit(":", 1)[1])
             body = {"model": "tiny", "prompt": list(range(1, 100)), "max_tokens": 1, "temperature": 0}
             assert client.post("/v1/completions", json=body).status_code == 200
-            assert len(subscriber.wait_for("DISK", timeout_s=60)) == 96 // 16
+            assert len(subscriber.wait_for("DISK", blocks=96 // 16, timeout_s=60)) == 96 // 16
             subscriber.close()
     finally:
         server.stop()
