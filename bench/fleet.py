@@ -58,7 +58,9 @@ BLOCK_SIZE = 16  # kvtier's default: only whole blocks are reused
 SMOKE = {"instances": 2, "users": 3, "doc_tokens": 96, "rounds": 2, "question_tokens": 8, "answer_tokens": 8,
          "docs": 2, "doc_users": 3, "max_tokens": 2, "latency_tokens": 128, "latency_requests": 3,
          "streams": 2, "stream_tokens": 24, "long_prompts": 2, "long_tokens": 128,
-         "kv_pool": "64MiB", "cpu_tier": "32MiB", "chunk_tokens": 32}
+         "kv_pool": "64MiB", "cpu_tier": "32MiB", "chunk_tokens": 32,
+         # the cpu-only fleet and the session policy run the same code paths
+         "stores": ["shared-redis"], "policies": ["kv", "round-robin"]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
