@@ -12,10 +12,11 @@ agent's previous prompt while the other agents' turns ran in between, and TTFT m
 the work of the turn, not a queue.
 
 The default shape is a long-running agent: a long system prompt and tool list (~1,500
-tokens at turn 1) and short steps (a call and a 100-140-token tool output each), over 27
-turns, so that the history grows 4x. It is the shape the targets need: a turn's new
-tokens must be at most a tenth of its prompt from turn 3 on, and the history must grow
-4x after that.
+tokens at turn 1) and short steps (a call and a 100-140-token tool output each), over 31
+turns. It is the shape the targets need: a turn's new tokens must be at most a tenth of
+its prompt from turn 3 on, and over the turns that can hit the cache (turn 2 on; turn 1
+is the agent's first request, cold by definition, and is reported beside them) TTFT must
+stay flat while the history grows 4x.
 
 Two servers of the same model run one after the other: "cache on" (prefix caching and
 a small cpu offload tier) and "cache off" (--no-enable-prefix-caching, no offload). Per
@@ -57,6 +58,7 @@ VARIANTS = {
 # The targets of issue 47, item 3.
 CACHED_FROM_TURN, CACHED_SHARE = 3, 0.90
 TTFT_SPREAD, HISTORY_GROWTH = 1.5, 4.0
+WARM_FROM_TURN = 2  # the first turn with an earlier request of the agent's to hit
 SMOKE = {"agents": 2, "turns": 2, "system_prompt_len": 16, "task_len": 16, "tool_output": [16, 24],
          "max_tokens": 160, "max_model_len": 2048, "server_args": "--no-fuse-elementwise"}
 
@@ -90,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="builtin:smollm2", help="What `kvtier serve --model` serves.")
     add_dtype_arg(p)
     p.add_argument("--agents", type=int, default=2)
-    p.add_argument("--turns", type=int, default=27)
+    p.add_argument("--turns", type=int, default=31)
     p.add_argument("--system-prompt-len", type=int, default=900,
                    help="Tokens of the shared system prompt, before the tools' descriptions.")
     p.add_argument("--task-len", type=int, default=200, help="Tokens of each agent's task.")
@@ -266,8 +268,9 @@ def check_targets(on: list[dict], reusable: dict[int, float]) -> dict:
     """Issue 47's targets on the cache-on turns, with the reusable share next to the cached
     one: a turn's new tokens (its call and tool output) bound what any cache can serve."""
     later = [t["cached_share"] for t in on if t["turn"] >= CACHED_FROM_TURN]
-    ttfts = [t["ttft_ms"] for t in on]
-    growth = on[-1]["prompt_tokens"] / on[0]["prompt_tokens"]
+    warm = [t for t in on if t["turn"] >= WARM_FROM_TURN] or on
+    ttfts = [t["ttft_ms"] for t in warm]
+    growth = warm[-1]["prompt_tokens"] / warm[0]["prompt_tokens"]
     spread = max(ttfts) / min(ttfts)
     return {
         "min_cached_share_from_turn_3": min(later, default=float("nan")),
@@ -324,7 +327,8 @@ def render(result: dict) -> str:
     text += (f"\nTargets (cache on): cached share >= {CACHED_SHARE:.0%} from turn {CACHED_FROM_TURN} on: "
              f"{'PASS' if t['cached_share_met'] else 'MISS'} (lowest {t['min_cached_share_from_turn_3']:.1%}, "
              f"the reusable share there {t['min_reusable_share_from_turn_3']:.1%}); "
-             f"TTFT max/min across turns <= {TTFT_SPREAD} while the prompt grows >= {HISTORY_GROWTH:.0f}x: "
+             f"TTFT max/min across turns {WARM_FROM_TURN}-{on[-1]['turn']} <= {TTFT_SPREAD} while the prompt "
+             f"grows >= {HISTORY_GROWTH:.0f}x over them: "
              f"{'PASS' if t['ttft_flat_met'] else 'MISS'} ({t['ttft_spread']:.2f}x, prompt "
              f"{t['history_growth']:.1f}x).\n")
     if result["problems"]:
@@ -350,11 +354,14 @@ def describe(result: dict) -> str:
     t = result["targets"]
     last_on, last_off = on[-1], off[-1]
     off_spread = max(r["ttft_ms"] for r in off) / min(r["ttft_ms"] for r in off)
-    return (f"The history grows {t['history_growth']:.1f}x, from {on[0]['prompt_tokens']:.0f} to "
+    warm = next((r for r in on if r["turn"] >= WARM_FROM_TURN), on[0])
+    return (f"From turn {warm['turn']} on the history grows {t['history_growth']:.1f}x, from "
+            f"{warm['prompt_tokens']:.0f} to "
             f"{last_on['prompt_tokens']:.0f} prompt tokens. With the cache on, the last turn's TTFT is "
             f"{last_on['ttft_ms']:.0f} ms against {last_off['ttft_ms']:.0f} ms without "
-            f"({last_off['ttft_ms'] / last_on['ttft_ms']:.1f}x faster); across turns the cache-on TTFT varies "
-            f"{t['ttft_spread']:.2f}x, the cache-off one {off_spread:.2f}x. From turn {CACHED_FROM_TURN} on, at "
+            f"({last_off['ttft_ms'] / last_on['ttft_ms']:.1f}x faster); across turns {WARM_FROM_TURN} on the "
+            f"cache-on TTFT varies {t['ttft_spread']:.2f}x (turn 1, cold: {on[0]['ttft_ms']:.0f} ms), the cache-off "
+            f"one {off_spread:.2f}x over all turns. From turn {CACHED_FROM_TURN} on, at "
             f"least {t['min_cached_share_from_turn_3']:.0%} of each prompt came from the cache, where the agent's "
             f"earlier requests held at least {t['min_reusable_share_from_turn_3']:.0%} of it: the rest is the call "
             "as the template renders it and the new tool output, which no cache has seen.")
