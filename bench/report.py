@@ -63,12 +63,15 @@ class Result:
     png: Path | None
 
 
+def ordered_names() -> list[str]:
+    return [n for n in SECTION_ORDER if n in WORKLOADS] + [n for n in WORKLOADS if n not in SECTION_ORDER]
+
+
 def load_results(directory: Path) -> list[Result]:
     """The result of every registered workload found in `directory` (`NAME.json`, NAME as
     in bench/cli.py), in section order; other JSON files are named on stderr and skipped."""
-    ordered = [n for n in SECTION_ORDER if n in WORKLOADS] + [n for n in WORKLOADS if n not in SECTION_ORDER]
     results = []
-    for name in ordered:
+    for name in ordered_names():
         path = directory / f"{name}.json"
         if path.exists():
             md, png = path.with_suffix(".md"), path.with_suffix(".png")
@@ -179,12 +182,33 @@ def section(result: Result, out: Path, img_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def build(results: list[Result], out: Path, img_dir: Path) -> str:
-    toc = "\n".join(f"- [{r.name}](#{r.name})" for r in results)
-    body = "\n".join(section(r, out, img_dir) for r in results)
-    missing = [n for n in WORKLOADS if n not in {r.name for r in results}]
+def build(results: list[Result], out: Path, img_dir: Path, kept: dict[str, str] | None = None,
+          intro: str = INTRO) -> str:
+    """The page: a section per result, and `kept` sections (name -> text) of the workloads
+    without one, in the order of SECTION_ORDER, then the registry's."""
+    kept = kept or {}
+    sections = {r.name: section(r, out, img_dir) for r in results}
+    sections.update({name: text for name, text in kept.items() if name not in sections})
+    names = [n for n in ordered_names() if n in sections]
+    toc = "\n".join(f"- [{n}](#{n})" for n in names)
+    body = "\n".join(sections[n].rstrip("\n") + "\n" for n in names)
+    missing = [n for n in WORKLOADS if n not in sections]
     tail = f"\nNo result yet for: {', '.join(missing)}.\n" if missing else ""
-    return f"{INTRO}\n{toc}\n\n{body}{tail}"
+    return f"{intro}\n{toc}\n\n{body}{tail}"
+
+
+def split_page(text: str) -> tuple[str, dict[str, str]]:
+    """An existing page: its introduction (up to the table of contents) and its sections
+    by workload name."""
+    head, _, rest = text.partition("\n## ")
+    intro = head.split("\n- [", 1)[0].rstrip("\n") + "\n"
+    sections = {}
+    for chunk in ("## " + rest).split("\n## ") if rest else []:
+        chunk = chunk if chunk.startswith("## ") else "## " + chunk
+        name = chunk.split("\n", 1)[0][3:].strip()
+        if name in WORKLOADS:
+            sections[name] = chunk.split("\nNo result yet for:", 1)[0].rstrip("\n") + "\n"
+    return intro, sections
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=common.DEFAULT_RESULTS_DIR)
     p.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     p.add_argument("--img-dir", type=Path, default=Path("docs/img"))
+    p.add_argument("--merge", action="store_true",
+                   help="Replace only the sections of the workloads with a result file; keep the page's other "
+                        "sections and its introduction (results are per machine and not in the repository).")
     args = p.parse_args(argv)
     results = load_results(args.results_dir)
     if not results:
         raise SystemExit(f"no result files in {args.results_dir}; run `kvtier bench WORKLOAD` first")
+    if args.merge and not args.out.exists():
+        raise SystemExit(f"--merge: {args.out} does not exist")
+    intro, kept = split_page(args.out.read_text()) if args.merge else (INTRO, {})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(build(results, args.out, args.img_dir))
+    args.out.write_text(build(results, args.out, args.img_dir, kept, intro))
     print(f"wrote {args.out} ({len(results)} workloads)")
     return 0
 

@@ -230,3 +230,24 @@ def test_report_renders_a_result_without_command_or_plot(smoke_run, tmp_path: Pa
 
 def test_every_smoke_workload_is_registered() -> None:
     assert set(ALL_WORKLOADS) <= set(WORKLOADS)
+
+
+def test_report_merge_replaces_only_the_sections_with_a_result(smoke_run, tmp_path: Path) -> None:
+    """--merge: a workload with a result file gets a new section; one without keeps its old
+    text, and the page keeps its own introduction."""
+    source = smoke_run("store")
+    results = tmp_path / "results"
+    results.mkdir()
+    for path in source.glob("store.*"):
+        shutil.copy(path, results / path.name)
+    out = tmp_path / "BENCHMARKS.md"
+    kept = "## startup\n\nNumbers from an earlier machine.\n"
+    out.write_text("# Benchmarks\n\nA hand-written introduction.\n\n- [startup](#startup)\n- [store](#store)\n\n"
+                   f"{kept}\n## store\n\nan old store section\n")
+    assert report.main(["--merge", "--results-dir", str(results), "--out", str(out),
+                        "--img-dir", str(tmp_path / "img")]) == 0
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nA hand-written introduction.\n")
+    assert kept in text and "an old store section" not in text
+    assert "### lz4 on KV payloads" in text
+    assert text.index("- [store](#store)") < text.index("- [startup](#startup)")  # section order, then the rest
