@@ -364,4 +364,27 @@ def describe(result: dict) -> str:
             f"one {off_spread:.2f}x over all turns. From turn {CACHED_FROM_TURN} on, at "
             f"least {t['min_cached_share_from_turn_3']:.0%} of each prompt came from the cache, where the agent's "
             f"earlier requests held at least {t['min_reusable_share_from_turn_3']:.0%} of it: the rest is the call "
-            "as the template renders it and the new tool output, which no cache has seen.")
+            "as the template renders it and the new tool output, which no cache has seen. "
+            + history_cost(on))
+
+
+def history_cost(on: list[dict]) -> str:
+    """Why a warm turn's TTFT grows with the history: a least-squares line of TTFT against
+    prompt tokens over the warm turns. The slope is the new tokens' attention over the
+    history (exact attention reads every earlier key), which no cache removes."""
+    warm = [t for t in on if t["turn"] >= WARM_FROM_TURN]
+    if len(warm) < 3:
+        return ""
+    xs, ys = [t["prompt_tokens"] for t in warm], [t["ttft_ms"] for t in warm]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread_x = sum((x - mean_x) ** 2 for x in xs)
+    if spread_x == 0:
+        return ""
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread_x
+    base = mean_y - slope * mean_x
+    first, last = base + slope * xs[0], base + slope * xs[-1]
+    return (f"A line through the warm turns' TTFT gives {base:.0f} ms plus {1000 * slope:.0f} ms per 1,000 "
+            "tokens of history, mostly the new tokens' attention over every earlier token (rendering and tokenizing the "
+            "longer history cost milliseconds), which grows with the "
+            f"history whatever is cached, so the line alone goes from {first:.0f} to {last:.0f} ms "
+            f"({last / first:.2f}x) over these turns.")
