@@ -39,7 +39,8 @@ class ServerProcess:
         self.lines: list[str] = []
         self._url_seen = threading.Event()
         self.url = ""
-        threading.Thread(target=self._read_output, daemon=True).start()
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
+        self._reader.start()
         self._wait_ready()
 
     @property
@@ -79,10 +80,14 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait()
+            code = self.process.wait()
+        self._reader.join(timeout=5)  # its last lines, until the pipe's end
+        if not self._reader.is_alive():
+            self.process.stdout.close()
+        return code
 
 
 def answers_health(host: str, port: int, timeout: float = 1) -> bool:
