@@ -1,4 +1,5 @@
-"""Paged attention, KV write, RMSNorm and block gather/scatter behind one dispatch.
+"""Paged attention, KV write, RMSNorm, small projections and block gather/scatter behind
+one dispatch.
 
 `auto` (the default) runs the Triton kernels on CUDA tensors, the C++ kernels of
 `kvkernels/cpu.py` on CPU tensors (where they build; the torch reference otherwise) and the
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kvkernels import cpu, reference
 from kvkernels.metadata import AttentionMetadata
@@ -26,6 +28,7 @@ __all__ = [
     "copy_runs",
     "gather_blocks",
     "get_backend",
+    "linear",
     "paged_attention",
     "rms_norm",
     "scatter_blocks",
@@ -110,6 +113,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, rounded to x's dtype before the weight's scale, as transformers
     computes it (the Triton backend has none: the reference runs there)."""
     return (cpu if _runs_cpu_kernels(x) else reference).rms_norm(x, weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x W^T (+ b)`. A decode step's few fp32 rows run on the C++ kernel, which streams the
+    weight once at the memory bandwidth (batch-1 decode is a pass over every weight);
+    everything else is `F.linear`."""
+    if (x.dim() == 2 and x.shape[0] <= cpu.SKINNY_ROWS and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and _runs_cpu_kernels(weight)):
+        return cpu.skinny_linear(x, weight.contiguous(), bias)
+    return F.linear(x, weight, bias)
 
 
 def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """The C++ CPU kernels (`cpu_ops.cpp`): decode attention straight from the paged cache,
-the KV write and RMSNorm, each one pass in one call, and a batch of byte copies spread
-over torch's threads.
+the KV write, RMSNorm and a decode step's fp32 projections, each one pass in one call,
+and a batch of byte copies spread over torch's threads.
 
 Built with the machine's C++ compiler the first time a process needs them (`make
 install` builds them: `python -m kvkernels`; about 30 s on 2 cores) and kept under `~/.cache/kvtier/extensions` (or `$KVTIER_EXTENSIONS_DIR`), in a folder
@@ -148,6 +148,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def copy_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """As `reference.copy_runs`, in one call split evenly over torch's threads."""
     torch.ops.kvtier_cpu.copy_runs(dsts, srcs)
+
+
+# Up to this many rows of x, `skinny_linear` beats the BLAS GEMM at fp32 (docs/notes/skinny-linear.md).
+SKINNY_ROWS = 8
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T (+ b)` for a few rows of x, one pass over the weight split over the threads."""
+    return torch.ops.kvtier_cpu.skinny_linear(x, weight, bias)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -10,6 +10,8 @@
 // relies on every slot being finite). rms_norm is the decoder's RMSNorm in one pass.
 // All accumulation is in fp32. copy_runs copies a batch of byte runs (host slots to
 // device blocks on a CPU engine) with the bytes split evenly over the threads.
+// skinny_linear is x W^T (+ b) for a few rows of x (a decode step): each weight row is
+// streamed once and dotted with every row of x, the weight's rows split over the threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -467,6 +469,53 @@ void copy_runs(at::TensorList dsts, at::TensorList srcs) {
   });
 }
 
+// out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the few rows m of x. A decode step's
+// product is a pass over the weight (the rows of x stay in L1), so its speed is the
+// memory bandwidth one sequential read per thread reaches; the BLAS GEMM path reaches
+// about half of it at one row.
+constexpr int64_t kSkinnyGrainBytes = 64 << 10;  // weight bytes per unit of parallel work
+
+template <typename T>
+void skinny_linear_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), in = x.size(1), outs = weight.size(0);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const float* xs = x32.data_ptr<float>();
+  const T* w = weight.data_ptr<T>();
+  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* o = out.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, kSkinnyGrainBytes / (in * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, outs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* row = w + n * in;
+      const float offset = b ? to_float(b[n]) : 0.f;
+      for (int64_t m = 0; m < rows; ++m) {
+        o[m * outs + n] = from_float<T>(dot<0>(xs + m * in, row, in) + offset);
+      }
+    }
+  });
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "skinny_linear takes x [rows, in] and weight [out, in]");
+  TORCH_CHECK(weight.is_contiguous() && x.scalar_type() == weight.scalar_type(),
+              "skinny_linear needs a contiguous weight of x's dtype");
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0) &&
+                    bias->scalar_type() == weight.scalar_type(),
+                "skinny_linear needs a contiguous bias of the weight's dtype, one per output");
+  }
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  KVTIER_DISPATCH_MODEL_TYPES(x.scalar_type(), "skinny_linear", [&] {
+    skinny_linear_kernel<scalar_t>(out, x, weight, bias);
+  });
+  return out;
+}
+
 // Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (tokens
 // past the bitmask's width too). Words are tested whole first: grammar masks are mostly
 // runs of all-allowed or all-refused words, so a row costs about one pass over its words.
@@ -521,6 +570,7 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("copy_runs(Tensor(a!)[] dsts, Tensor[] srcs) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
@@ -529,4 +579,5 @@ TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("copy_runs", &copy_runs);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("skinny_linear", &skinny_linear);
 }

@@ -82,7 +82,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return kvkernels.linear(x, self.weight, self.bias)
 
     def pack(self) -> bool:
         """Replace the weight by its packed form where that applies (`pack_weight`),

@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kvkernels
@@ -190,4 +189,4 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden).float()
         if self.packed_logits_weight is not None:
             return packed_linear(hidden, self.packed_logits_weight, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return kvkernels.linear(hidden, self.model.embed_tokens.weight).float()

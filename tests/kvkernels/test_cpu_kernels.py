@@ -200,3 +200,35 @@ def test_token_bitmask_equals_the_reference(dtype, vocab):
     assert torch.equal(got, expected)
     assert torch.equal(got[[1, 4]], logits[[1, 4]])  # rows without a mask are untouched
     assert torch.isinf(got[5, 32:64]).all() and not torch.isinf(got[0, 64:96]).any()  # words 0 and -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, cpu.SKINNY_ROWS])
+@pytest.mark.parametrize(("outs", "ins"), [(96, 64), (1000, 37), (5, 1536)], ids=["even", "ragged-in", "few-out"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_skinny_linear_equals_the_fp64_product(dtype, rows, outs, ins, with_bias):
+    """Every output of a few rows, over weights whose rows do not fill the kernel's lanes
+    (37 inputs) and whose outputs split unevenly over the threads."""
+    assert cpu.available()
+    generator = torch.Generator().manual_seed(rows * outs + ins)
+    x = torch.randn(rows, ins, generator=generator).to(dtype)
+    weight = torch.randn(outs, ins, generator=generator).to(dtype)
+    bias = torch.randn(outs, generator=generator).to(dtype) if with_bias else None
+    expected = x.double() @ weight.double().t() + (bias.double() if with_bias else 0)
+    got = cpu.skinny_linear(x, weight, bias)
+    assert got.dtype == dtype and got.shape == (rows, outs)
+    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+
+
+def test_linear_sends_only_few_fp32_rows_to_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "skinny_linear", lambda x, w, b: calls.append(x.shape[0]) or torch.zeros(x.shape[0], w.shape[0]))
+    weight = torch.randn(8, 16)
+    kvkernels.linear(torch.randn(cpu.SKINNY_ROWS, 16), weight)
+    many = torch.randn(cpu.SKINNY_ROWS + 1, 16)
+    torch.testing.assert_close(kvkernels.linear(many, weight), many @ weight.t())  # the BLAS path
+    kvkernels.linear(torch.randn(1, 16).bfloat16(), weight.bfloat16())
+    with kvkernels.use_backend("torch"):
+        kvkernels.linear(torch.randn(1, 16), weight)
+    assert calls == [cpu.SKINNY_ROWS]
