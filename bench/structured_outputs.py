@@ -6,7 +6,8 @@ them), half streamed, each checked with jsonschema; then --tool-calls calls, hal
 named function and half with tool_choice "required", each call's arguments checked against
 its function's schema.
 
-Cost, in the same run, with and without a schema, interleaved (--repeats rounds):
+Cost, in the same run, with and without a schema, interleaved (--repeats rounds, every
+other one with the schema first):
 - throughput: --concurrency requests at once, each --output-len tokens (the schema's
   output is longer than that, the free one ignores EOS, so both run to the same length);
 - batch-1 decode: one streamed request, the time per output token after its first chunk.
@@ -96,7 +97,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tool-calls", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--output-len", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2, help="Rounds of the cost runs, with and without interleaved.")
+    p.add_argument("--repeats", type=int, default=4, help="Rounds of the cost runs, with and without interleaved.")
     return parse_with_smoke(p, argv, SMOKE)
 
 
@@ -205,13 +206,18 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     schemas = await schema_validity(client, args)
     tools = await tool_validity(client, args)
     rounds = []
-    for _ in range(args.repeats):
-        rounds.append({
-            "tok_s_free": await throughput(client, args, False),
-            "tok_s_schema": await throughput(client, args, True),
-            "gap_free_s": await decode_gap(client, args, False),
-            "gap_schema_s": await decode_gap(client, args, True),
-        })
+    for i in range(args.repeats):
+        # every other round runs the schema first: neither side always meets the machine
+        # as the other left it
+        order = (True, False) if i % 2 else (False, True)
+        measured_round = {}
+        for constrained in order:
+            measured_round["tok_s_schema" if constrained else "tok_s_free"] = await throughput(
+                client, args, constrained)
+        for constrained in order:
+            measured_round["gap_schema_s" if constrained else "gap_free_s"] = await decode_gap(
+                client, args, constrained)
+        rounds.append(measured_round)
     await client.close()
     return {"schemas": schemas, "tools": tools, "rounds": rounds}
 
