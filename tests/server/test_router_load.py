@@ -27,3 +27,15 @@ def test_requests_other_clients_sent_count():
     worker = Worker("http://127.0.0.1:1", in_flight=1)
     WorkerPool._read_load(worker, METRICS.format(waiting=3))
     assert load(worker) == 3
+
+
+def test_only_the_load_gauges_are_read_from_a_full_metrics_page():
+    lookalikes = (
+        '# TYPE vllm:num_requests_waiting_total counter\n'
+        'vllm:num_requests_waiting_total{model_name="tiny"} 40\n'
+        'vllm:kv_cache_usage_perc_max 0.9\n'
+        'vllm:e2e_request_latency_seconds_bucket{le="0.3",model_name="tiny"} 7\n'
+    )
+    worker = Worker("http://127.0.0.1:1")
+    WorkerPool._read_load(worker, lookalikes + METRICS.format(waiting=2) + 'vllm:num_requests_running 5\n')
+    assert worker.waiting == 2 and worker.kv_usage == 0.25
