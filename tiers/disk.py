@@ -4,10 +4,11 @@ Layout: `<root>/<last two characters of the key>/<key>.kvc`. A write goes to a t
 `.<key>.<pid>.<random>.tmp` in the same directory and is renamed into place, so a reader
 (in this or another process) sees either no file or a complete one. Records are content
 addressed, so two processes writing the same key write the same bytes and the rename is
-idempotent. A file removed by another process is a miss, not an error. Every method
-blocks its caller's thread: the store reads from its read pool, in as many concurrent
-batches as it sees fit, and writes from its write pool, so reads never queue behind
-writes.
+idempotent. A file removed by another process is a miss, not an error, whenever it
+goes: before a read, or between the listing of its directory and the read of its head
+(a scan reports it as never found). Every method blocks its caller's thread: the store
+reads from its read pool, in as many concurrent batches as it sees fit, and writes from
+its write pool, so reads never queue behind writes.
 
 The in-memory index (key -> size, in the order of its eviction policy, tiers.eviction)
 is rebuilt from the directory at start
@@ -136,10 +137,10 @@ class DiskTier(RecordTier):
                 if entry.name.endswith(TMP_SUFFIX):
                     self._remove_if_stale(entry)
                 elif entry.name.endswith(SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        info = entry.stat()
-                        key = entry.name[: -len(SUFFIX)]
-                        found.append((info.st_mtime, key, info.st_size, self._read_head(entry.path)))
+                    record = self._stat_and_head(entry.path)
+                    if record is not None:
+                        info, head = record
+                        found.append((info.st_mtime, entry.name[: -len(SUFFIX)], info.st_size, head))
         found.sort()
         with self._lock:
             self._index = make_policy(self.eviction)
@@ -417,25 +418,33 @@ class DiskTier(RecordTier):
 
     def _adopt(self, key: str) -> bytes | None:
         """Index a record another process wrote; its head, or None if it vanished."""
-        path = self.path(key)
-        try:
-            size = path.stat().st_size
-        except OSError:
+        record = self._stat_and_head(self.path(key))
+        if record is None:
             return None
-        head = self._read_head(str(path))
+        info, head = record
         with self._lock:
             if key not in self._index:
-                self._add_locked(key, size)
+                self._add_locked(key, info.st_size)
         return head
 
-    def _read_head(self, path: str) -> bytes:
-        if not self.head_bytes:
-            return b""
+    def _stat_and_head(self, path: str | Path) -> tuple[os.stat_result, bytes] | None:
+        """A listed record file's status and first `head_bytes`; None if it is gone.
+
+        Another process may evict the file, or replace it, at any moment after its
+        directory was listed. Both come from one open file, so they describe one record,
+        and a file gone before the open is no record at all: an empty head would make the
+        store count a removal as a damaged record. A file present but unreadable comes
+        with an empty head, so that the store drops it as a bad record."""
         try:
             with open(path, "rb", buffering=0) as f:
-                return f.read(self.head_bytes)
+                return os.fstat(f.fileno()), (f.read(self.head_bytes) if self.head_bytes else b"")
+        except FileNotFoundError:
+            return None
         except OSError:
-            return b""
+            try:
+                return os.stat(path), b""
+            except OSError:
+                return None
 
     def _list_names(self) -> list[str]:
         return [

@@ -148,6 +148,28 @@ def test_scan_finds_what_another_process_wrote_or_removed_after_start(tmp_path):
     assert mine.get(["k-05"]) == [record(5)]
 
 
+@pytest.mark.parametrize("scanned", ["at start", "after start"])
+def test_a_record_removed_as_its_head_is_read_is_not_found(tmp_path, before_open, scanned):
+    mine = DiskTier(tmp_path, 10_000, head_bytes=4) if scanned == "after start" else None
+    other = DiskTier(tmp_path, 10_000)
+    other.put([("k-01", record(1)), ("k-05", record(5))])
+    before_open(other.path("k-05"), other.path("k-05").unlink)  # evicted once listed
+    mine = mine or DiskTier(tmp_path, 10_000, head_bytes=4)
+    assert mine.scan().found == [("k-01", record(1, 4))]  # never ("k-05", b""): not a bad record
+    assert not mine.holds("k-05") and mine.usage_bytes == 1000
+
+
+def test_a_record_replaced_as_its_head_is_read_is_indexed_as_the_file_read(tmp_path, before_open):
+    mine = DiskTier(tmp_path, 10_000, head_bytes=4)
+    other = DiskTier(tmp_path, 10_000)
+    other.put([("k-05", record(5))])
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes(record(6, 600))
+    before_open(other.path("k-05"), lambda: os.replace(replacement, other.path("k-05")))
+    assert mine.scan().found == [("k-05", record(6, 4))]
+    assert mine.usage_bytes == 600
+
+
 def test_write_error_makes_the_tier_unhealthy_then_it_recovers(tmp_path):
     tier = DiskTier(tmp_path, 10_000)
     tier.health = type(tier.health)(min_backoff_s=0.01)
