@@ -230,6 +230,17 @@ def test_a_batch_is_read_in_concurrent_parts_and_every_bad_record_is_removed(ope
         time.sleep(0.01)
 
 
+def test_a_record_evicted_as_a_scan_reads_it_is_gone_not_bad(open_store, before_open):
+    writer = open_store("disk")
+    keys = save_chunks(writer, range(2))
+    path = writer.lower[0].path(keys[1].name)
+    before_open(path, path.unlink)  # another process evicts it once the reader listed it
+    reader = open_store("disk")
+    assert reader.lookup(keys).num_chunks == 1
+    counters = reader.stats().tiers["disk"].counters
+    assert counters["checksum_failures"] == counters["rejected_records"] == counters["deletes"] == 0
+
+
 def test_record_of_another_model_under_our_key_is_rejected(open_store):
     store = open_store("disk")
     key = record_key(store, 0)
