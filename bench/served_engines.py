@@ -18,7 +18,7 @@ from bench.console import echo
 from bench.server_process import ServerProcess
 from bench.vllm_server import VllmServer, tree_rss, vllm_python
 from engine.builtin_models import resolve_model
-from engine.config import parse_size
+from kvstore.options import parse_size
 
 SERVED_NAME = "bench"
 VLLM = "vLLM"

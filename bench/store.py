@@ -40,7 +40,7 @@ from bench import plots
 from bench.common import markdown_table, parse_with_smoke
 from bench.kv_common import local_redis
 from bench.summary import publish, run_stamp
-from kvstore import ChunkSpec, TieredStore, host_copy
+from kvstore import ChunkSpec, StoreConfig, TieredStore, host_copy
 from kvstore.compression import Codec, decompress_into, encode_segments
 from kvstore.spec import tensor_bytes
 
@@ -236,7 +236,8 @@ def bench_cpu(w: Workload) -> dict:
         for src, dst in zip(w.payloads, w.outs, strict=True):
             host_copy(dst, src)
 
-    store = TieredStore.from_options(w.spec, tiers="cpu", cpu_size=w.nbytes + len(w.payloads) * 8192)
+    config = StoreConfig(kv_offload="cpu", kv_offload_cpu_size=f"{w.nbytes + len(w.payloads) * 8192}B")
+    store = TieredStore.from_config(w.spec, config)
     puts, gets = w.put_get(store, "cpu", memcpy, memcpy)
     return row("cpu", "memcpy", puts, gets)
 
@@ -266,14 +267,9 @@ def bench_disk(w: Workload, root: Path) -> dict:
             for out in w.outs:
                 f.readinto(tensor_bytes(out))
 
-    store = TieredStore.from_options(
-        w.spec,
-        tiers="disk",
-        disk_path=str(root / "store"),
-        disk_size=4 * w.nbytes,
-        max_pending_write_bytes=2 * w.nbytes,
-        staging_size=len(w.payloads) * (w.spec.nbytes + 8192),
-    )
+    config = StoreConfig(kv_offload="disk", kv_offload_disk_path=str(root / "store"),
+                         kv_offload_disk_size=f"{4 * w.nbytes}B", kv_max_pending_writes=f"{2 * w.nbytes}B")
+    store = TieredStore.from_config(w.spec, config, staging_size=len(w.payloads) * (w.spec.nbytes + 8192))
 
     def save_synced() -> None:
         w.save_all(store)
@@ -367,10 +363,8 @@ def bench_redis(w: Workload, url: str) -> dict:
         for kb, ob in zip(batches(keys, w.batch), batches(outs, w.batch), strict=True):
             raw.get_many(kb, ob)
 
-    store = TieredStore.from_options(
-        w.spec, tiers="redis", redis_url=url, max_pending_write_bytes=2 * w.nbytes,
-        staging_size=len(w.payloads) * (w.spec.nbytes + 8192),
-    )
+    config = StoreConfig(kv_offload="redis", kv_redis_url=url, kv_max_pending_writes=f"{2 * w.nbytes}B")
+    store = TieredStore.from_config(w.spec, config, staging_size=len(w.payloads) * (w.spec.nbytes + 8192))
     try:
         puts, gets = w.put_get(store, "redis", raw_put, raw_get)
     finally:

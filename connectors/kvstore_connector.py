@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -26,34 +25,21 @@ from connectors.base import (
     FinishedLoads,
     ScheduledBatch,
 )
+from connectors.config import ConnectorConfig
 from connectors.planner import ChunkGeometry, Planner, StepMeta
 from connectors.stats import connector_stats, tier_view
 from connectors.worker import Worker
 from kvstore import ChunkSpec, StoreConfigError, TieredStore
+from kvstore.config import STAGING_SIZE
 from kvstore.index import IndexListener
 
 
-@dataclass(frozen=True)
-class ConnectorSettings:
-    chunk_tokens: int
-    save_decode: bool = False
-    role: str = "both"  # vLLM's kv_role: producer (saves only), consumer (loads only) or both
-
-    @property
-    def loads(self) -> bool:
-        return self.role != "producer"
-
-    @property
-    def saves(self) -> bool:
-        return self.role != "consumer"
-
-
 class KVStoreConnector:
-    def __init__(self, store: TieredStore, kv_cache: torch.Tensor, settings: ConnectorSettings) -> None:
+    def __init__(self, store: TieredStore, kv_cache: torch.Tensor, config: ConnectorConfig) -> None:
         self.store = store
-        self.settings = settings
-        self.geometry = ChunkGeometry(block_size=kv_cache.shape[3], chunk_tokens=settings.chunk_tokens)
-        self.planner = Planner(store, self.geometry, settings.save_decode, loads=settings.loads, saves=settings.saves)
+        self.config = config
+        self.geometry = ChunkGeometry(block_size=kv_cache.shape[3], chunk_tokens=config.kv_chunk_tokens)
+        self.planner = Planner(store, self.geometry, config.kv_save_decode, loads=config.loads, saves=config.saves)
         self.worker = Worker(store, kv_cache, self.geometry.block_size)
         self._unstarted: StepMeta | None = None  # built, not started yet
         self._started: StepMeta | None = None  # started, its saves not done yet
@@ -61,21 +47,22 @@ class KVStoreConnector:
         self._offloaded = 0
 
     @classmethod
-    def from_options(
-        cls, kv_cache: torch.Tensor, fingerprint: bytes, settings: ConnectorSettings, **store_options
+    def from_config(
+        cls, kv_cache: torch.Tensor, fingerprint: bytes, config: ConnectorConfig, staging_size: int = STAGING_SIZE
     ) -> KVStoreConnector:
         """Build the store for the engine's KV layout (`kv_cache` is the block-major
-        device pool) from kvstore.StoreConfig options."""
+        device pool); `staging_size`: bytes of host slots when there is no cpu tier (with
+        one, the slots touched up front)."""
         _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         try:
             spec = ChunkSpec.for_kv_layout(
                 fingerprint, num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, dtype=kv_cache.dtype, chunk_tokens=settings.chunk_tokens,
+                head_dim=head_dim, dtype=kv_cache.dtype, chunk_tokens=config.kv_chunk_tokens,
             )
-            store = TieredStore.from_options(spec, **store_options)
+            store = TieredStore.from_config(spec, config, staging_size)
         except StoreConfigError as exc:
             raise ConnectorConfigError(str(exc), exc.option) from exc
-        return cls(store, kv_cache, settings)
+        return cls(store, kv_cache, config)
 
     # ---- scheduler side -------------------------------------------------------------------
 

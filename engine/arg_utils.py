@@ -25,11 +25,9 @@ from engine.config import (
     SchedulerOptions,
     StoreOptions,
     VllmOptions,
-    expand_path,
     flag_name,
-    format_size,
-    option_meta,
 )
+from kvstore.options import expand_path, format_size, option_meta
 
 # Sections made of several (EngineConfig is the model, scheduler and store sections).
 _PARTS: dict[type[Options], tuple[type[Options], ...]] = {

@@ -8,39 +8,40 @@ is the `LLM(...)` keyword, with dashes it is the flag (`kv_offload_cpu_size` ->
 description is the flag's help; `engine.arg_utils` generates the flags from the tree.
 
 Validation happens here and only here: a field's type (pydantic), then the checks across
-fields, then the store's own (kvstore.StoreConfig, whose field names map to flags below).
-Every failure is a `ConfigError` naming the option.
+fields. The store section is the store's own config (connectors.config.ConnectorConfig,
+which adds the connector's options to kvstore.StoreConfig): its options, their defaults
+and their checks are declared there once and included here as they are. Every failure is
+a `ConfigError` naming the option.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ByteSize,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    TypeAdapter,
-    ValidationError,
-)
-from pydantic.fields import FieldInfo
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from connectors.config import ConnectorConfig
 from engine.cache_home import kvtier_cache_dir
 from engine.cpu_threads import check_bind_value
 from engine.kv_events.config import KVEventsConfig, parse_kv_events_config
-from kvstore.config import COMPRESS_OPTIONS, FSYNC_POLICIES, TIER_ORDER, StoreConfig, parse_tiers
+from kvstore.config import TIER_ORDER, Tiers, parse_tiers
 from kvstore.errors import StoreConfigError
+from kvstore.options import (
+    MAX_SECONDS,
+    GiB,
+    PathOption,
+    Seconds,
+    Size,
+    describe_error,
+    expand_path,
+    format_size,
+    option,
+)
 
-GiB = 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OFFLOAD_TIERS = TIER_ORDER
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
@@ -65,71 +66,13 @@ class ConfigError(ValueError):
         return ConfigError(self.option, self.message, keyword=True)
 
 
-# ---- sizes --------------------------------------------------------------------------------
-
-# The whole value must have this shape: ByteSize reads a number and a unit from the start
-# of a string and ignores what follows (`1.GiB` would be one byte).
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_BYTE_SIZE = TypeAdapter(ByteSize)
-_IEC_SHORT = ("ki", "mi", "gi", "ti")  # Kubernetes' spelling of KiB, MiB, GiB, TiB
-# A bare number this large is a byte count written without its unit, not GiB.
-_BARE_GIB_LIMIT = 1024**2
 # Upper bounds: a value past one is a typo or an attack, never a deployment. Refused at
 # start, they cannot fail (or allocate for) the first request instead.
-MAX_SIZE = 1024**5  # 1024 TiB, any memory or disk size
 MAX_SEQS = 16384  # sequences running in one step, or in one request's queue share
 MAX_TOKENS = 2**24  # a context, a step's token budget
 MAX_BLOCKS = 2**24  # device KV blocks
 MAX_BLOCK_SIZE = 1024  # tokens per block
 MAX_COUNT = 2**20  # other counts: queue lengths, prompts per request, logprobs, workers
-MAX_SECONDS = 365 * 24 * 3600.0  # any duration (threading refuses much larger timeouts)
-
-
-def parse_size(value: str | int | float) -> int:
-    """Bytes of a memory size: a bare number is GiB (as in vLLM: `4` = 4 GiB, `0.5` =
-    512 MiB); a unit makes it explicit: `512MiB`, `2GB` (decimal), `1048576B` (bytes).
-    Raises ValueError with the reason."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as 4 (GiB) or 512MiB, got {value!r}")
-    if isinstance(value, int | float):
-        number, unit = float(value), ""
-    else:
-        match = _SIZE_RE.match(str(value))
-        if match is None:
-            raise ValueError(f"cannot parse size {value!r} (examples: 4 = 4GiB, 512MiB, 2GB, 1048576B)")
-        number, unit = float(match.group(1)), match.group(2)
-    if number < 0:
-        raise ValueError(f"size must be >= 0, got {value!r}")
-    if not unit:
-        if number >= _BARE_GIB_LIMIT:
-            raise ValueError(f"a bare number is GiB, so {value!r} is {value} GiB; write bytes as {value}B")
-        nbytes = int(number * GiB)
-    else:
-        unit += "B" if unit.lower() in _IEC_SHORT else ""
-        try:
-            nbytes = int(_BYTE_SIZE.validate_python(match.group(1).rstrip(".") + unit))
-        except ValidationError:
-            raise ValueError(f"cannot parse size {value!r} (examples: 4 = 4GiB, 512MiB, 2GB, 1048576B)") from None
-    if nbytes > MAX_SIZE:
-        raise ValueError(f"{value!r} is more than the largest size, {format_size(MAX_SIZE)}")
-    return nbytes
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact spelling of `nbytes` that parse_size reads back."""
-    for unit, scale in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
-
-
-def _tiers(value: Any) -> tuple[str, ...]:
-    if not value or value == "none":
-        return ()
-    try:
-        return parse_tiers(value)
-    except StoreConfigError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def _names(value: Any) -> tuple[str, ...]:
@@ -142,54 +85,15 @@ def _block_size(value: int) -> int:
     return value
 
 
-def expand_path(value: str) -> str:
-    """`value` with `~` and `$VAR` (or `${VAR}`) expanded, as a shell expands a flag's:
-    a config file and an `LLM(...)` keyword get no shell, and `model: ~/models/x` must
-    mean the same as the flag."""
-    return os.path.expandvars(os.path.expanduser(value))
-
-
-KV_ROLES = ("producer", "consumer", "both")
-
-
-def _kv_role(value: Any) -> Any:
-    """vLLM's spelling (kv_producer, kv_consumer, kv_both) reads as kvtier's."""
-    return value.removeprefix("kv_") if isinstance(value, str) else value
-
-
 def _device(value: str) -> str:
     if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
         raise ValueError(f"{value!r} is not auto, cpu or cuda[:N]")
     return value
 
 
-# dumped as its exact spelling with a unit, so that a dump rebuilds the same config
-Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(lambda n: format_size(n), return_type=str)]
-Tiers = Annotated[tuple[str, ...], BeforeValidator(_tiers)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
-PathOption = Annotated[str, AfterValidator(expand_path)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 PositiveCount = Annotated[int, Field(gt=0, le=MAX_COUNT)]
-Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
-
-_STORE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
-STORE_DEFAULT = object()  # an option whose default is its kvstore.StoreConfig field's
-
-
-def option(default: Any, help: str, *, metavar: str | None = None, env: tuple[str, ...] = (),
-           store: str | None = None, secret: bool = False) -> Any:
-    """A field of the tree. `store` names the kvstore.StoreConfig field it feeds (its
-    default is taken from there when `default` is `STORE_DEFAULT`); `env` environment
-    variables read, the first one set, when neither flag nor config file sets it."""
-    if default is STORE_DEFAULT:
-        default = _STORE_DEFAULTS[store]
-    extra = {"metavar": metavar, "env": list(env), "store": store}
-    return Field(default, description=help, repr=not secret, json_schema_extra=extra)
-
-
-def option_meta(field: FieldInfo) -> dict[str, Any]:
-    return field.json_schema_extra or {}
-
 
 # ---- the tree -----------------------------------------------------------------------------
 
@@ -204,7 +108,9 @@ class Options(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise _config_error(exc) from None
+            raise ConfigError(*describe_error(exc)) from None
+        except StoreConfigError as exc:  # the store section, kvstore.StoreConfig, checks its own
+            raise ConfigError(exc.option or "kv_offload", str(exc)) from None
         self.check()
 
     def check(self) -> None:
@@ -213,18 +119,6 @@ class Options(BaseModel):
     @classmethod
     def option_names(cls) -> list[str]:
         return list(cls.model_fields)
-
-
-def _config_error(exc: ValidationError) -> ConfigError:
-    error = exc.errors()[0]
-    option = str(error["loc"][0]) if error["loc"] else "config"
-    if error["type"] == "extra_forbidden":
-        return ConfigError(option, "is not an option")
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "value_error":
-        return ConfigError(option, message)
-    value = repr(error["input"])  # cut: a config file's value may be a megabyte long
-    return ConfigError(option, f"{message}, got {value if len(value) <= 80 else value[:77] + '...'}")
 
 
 class ModelOptions(Options):
@@ -301,83 +195,15 @@ class SchedulerOptions(Options):
         "appears. The separator is not part of the prompt.", metavar="TEXT")
 
 
-class StoreOptions(Options):
+class StoreOptions(Options, ConnectorConfig):
+    """The store section: the connector's and the store's options (ConnectorConfig), and
+    the engine's spellings of them: a secret read from a file, vLLM's offloading flags."""
+
     title: ClassVar[str] = "KV store options"
 
-    kv_offload: Tiers = option(
-        (), "Comma-separated offload tiers below the device: any of cpu, disk, redis.",
-        metavar="TIERS", store="tiers")
-    kv_offload_cpu_size: Size = option(
-        STORE_DEFAULT, "Memory budget of the cpu tier: GiB, or with a unit (512MiB).",
-        metavar="SIZE", store="cpu_size")
-    kv_offload_disk_path: PathOption | None = option(
-        None, "Directory of the disk tier (default: $XDG_CACHE_HOME/kvtier/kv, or "
-        "~/.cache/kvtier/kv). Several instances may share it.", metavar="DIR", store="disk_path")
-    kv_offload_disk_size: Size = option(
-        STORE_DEFAULT, "Budget of the disk tier: GiB, or with a unit.", metavar="SIZE", store="disk_size")
-    kv_offload_disk_fsync: str = option(
-        STORE_DEFAULT, "When disk records reach stable storage: none (the page cache decides), "
-        "file (each record) or full (record and directory).",
-        metavar="{" + ",".join(FSYNC_POLICIES) + "}", store="disk_fsync")
-    kv_offload_eviction: Literal["lru", "arc"] = option(
-        STORE_DEFAULT, "Which records the cpu and disk tiers evict first (vLLM's names): lru, the "
-        "least recently used; arc, Adaptive Replacement Cache, which keeps records hit more than "
-        "once apart from a stream of records seen once.", store="eviction")
-    kv_redis_url: str | None = option(
-        None, "Redis tier URL: redis://host:port, rediss://:password@host:port, "
-        "redis+cluster://host:port,host:port, or unix:///path/to/redis.sock (a Redis on this host).",
-        metavar="URL", store="redis_url")
-    kv_redis_ttl: Seconds | None = option(
-        STORE_DEFAULT, "Seconds a Redis record lives (default: no expiry; Redis's eviction policy decides).",
-        metavar="SECONDS", store="redis_ttl_s")
-    kv_redis_key_prefix: str = option(
-        STORE_DEFAULT, "Prefix of every Redis key (separates deployments on one Redis).",
-        metavar="PREFIX", store="redis_key_prefix")
-    kv_redis_op_timeout: Seconds = option(
-        STORE_DEFAULT, "Seconds one Redis command may take before it counts as failed.",
-        metavar="SECONDS", store="redis_op_timeout_s")
-    kv_redis_connect_timeout: Seconds = option(
-        STORE_DEFAULT, "Seconds to wait for a Redis connection.", metavar="SECONDS",
-        store="redis_connect_timeout_s")
-    kv_redis_probe_interval: Seconds = option(
-        STORE_DEFAULT, "Seconds between probes of an unhealthy Redis tier.", metavar="SECONDS",
-        store="redis_probe_interval_s")
-    kv_chunk_tokens: Annotated[int, Field(gt=0, le=MAX_TOKENS)] = option(256, "Tokens per stored chunk (a multiple of --block-size).")
-    kv_compress: str | None = option(
-        None, "Compression of records below the cpu tier: lz4 (byte planes for 2- and 4-byte "
-        "dtypes: for bf16 only the sign/exponent plane compresses), lz4-plain, lz4-planes or none.",
-        metavar="{" + ",".join(c for c in COMPRESS_OPTIONS if c) + "}", store="compress")
-    kv_secret: str | None = option(
-        None, "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
-        "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
-        "--kv-secret-file, command lines are visible to other users.", metavar="SECRET",
-        store="secret", secret=True)
     kv_secret_file: PathOption | None = option(
         None, "File holding the --kv-secret (its text without the trailing newline).", metavar="FILE")
-    kv_save_decode: bool = option(False, "Also save chunks completed during decoding, not only prompt chunks.")
-    kv_role: Annotated[Literal["producer", "consumer", "both"], BeforeValidator(_kv_role)] = option(
-        "both", "What this instance does with the store (vLLM's roles; kv_producer etc. accepted): "
-        "producer saves what it computes but never loads (a prefill instance); consumer loads but "
-        "never saves (a decode instance); both. Not both implies --preemption-mode recompute.",
-        metavar="{" + ",".join(KV_ROLES) + "}")
-    kv_load_timeout: Seconds = option(
-        STORE_DEFAULT, "Seconds to wait for a disk/redis load before recomputing instead.",
-        metavar="SECONDS", store="load_timeout_s")
-    kv_lookup_timeout: Seconds = option(
-        STORE_DEFAULT, "Seconds an asynchronous probe of Redis's block index may take; blocks it "
-        "has not found by then are recomputed (the scheduler never waits on it).",
-        metavar="SECONDS", store="lookup_timeout_s")
-    kv_refresh_interval: Seconds = option(
-        STORE_DEFAULT, "Seconds between background rescans of the disk directory for records other "
-        "processes (or an earlier run) wrote.", metavar="SECONDS", store="refresh_interval_s")
-    kv_write_workers: Annotated[int, Field(gt=0, le=256)] = option(
-        STORE_DEFAULT, "Background threads writing records to disk and Redis.", store="write_workers")
-    kv_max_pending_writes: Size = option(
-        STORE_DEFAULT, "Bytes of records waiting to be written below the cpu tier; past it new saves "
-        "are dropped (GiB, or with a unit).", metavar="SIZE", store="max_pending_write_bytes")
-    kv_promote: bool = option(
-        STORE_DEFAULT, "Copy disk/redis hits into the cpu tier.", store="promote")
-    kv_offloading_size: Size | None = option(
+    kv_offloading_size: Annotated[Size, Field(gt=0)] | None = option(
         None, "vLLM's spelling: GiB of cpu offload; the same as --kv-offload cpu "
         "--kv-offload-cpu-size SIZE.", metavar="GiB")
     kv_offloading_backend: Literal["native"] | None = option(
@@ -388,12 +214,18 @@ class StoreOptions(Options):
         '"tcp://*:5558"}\'): blocks stored in and removed from the device pool and each tier, '
         "in vLLM's wire format (README, KV events).", metavar="JSON")
 
+    def check_store_options(self) -> None:
+        """The engine's defaults and spellings folded in, then the store's own checks."""
+        if "disk" in self.kv_offload and self.kv_offload_disk_path is None:
+            self.kv_offload_disk_path = default_disk_path()
+        super().check_store_options()
+
     def _check_store(self) -> None:
         if self.kv_offloading_size is not None or self.kv_offloading_backend is not None:
             if self.kv_offloading_size is not None and "kv_offload_cpu_size" in self.model_fields_set:
                 raise ConfigError("kv_offloading_size", "give it or --kv-offload-cpu-size, not both")
             if "cpu" not in self.kv_offload:
-                self.kv_offload = _tiers(("cpu", *self.kv_offload))
+                self.kv_offload = parse_tiers(("cpu", *self.kv_offload))
             if self.kv_offloading_size is not None:
                 self.kv_offload_cpu_size = self.kv_offloading_size
             self.kv_offloading_size = self.kv_offloading_backend = None  # folded in: a copy rebuilds the same
@@ -403,34 +235,10 @@ class StoreOptions(Options):
             self.kv_secret, self.kv_secret_file = read_secret_file(self.kv_secret_file), None
         if self.kv_role != "both" and not self.kv_offload:
             raise ConfigError("kv_role", f"{self.kv_role} needs a store to share (--kv-offload)")
-        if self.kv_compress == "none":
-            self.kv_compress = None
-        try:
-            StoreConfig(**{**self.store_options(), "tiers": self.kv_offload or ("cpu",)})
-        except StoreConfigError as exc:
-            raise ConfigError(store_option(exc.option), str(exc)) from None
 
     @property
     def disk_path(self) -> str:
         return self.kv_offload_disk_path or default_disk_path()
-
-    def store_options(self) -> dict[str, Any]:
-        """kvstore.StoreConfig keyword options of the store section."""
-        options = {}
-        for name, field in StoreOptions.model_fields.items():
-            store = option_meta(field).get("store")
-            if store:
-                options[store] = getattr(self, name)
-        options["disk_path"] = self.disk_path if "disk" in self.kv_offload else None
-        return options
-
-
-def store_option(store_field: str | None) -> str:
-    """The option that feeds kvstore.StoreConfig field `store_field` (kv_offload when none does)."""
-    for name, field in StoreOptions.model_fields.items():
-        if store_field is not None and option_meta(field).get("store") == store_field:
-            return name
-    return "kv_offload"
 
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from connectors.base import ConnectorConfigError, KVConnector, NullConnector
-from engine.config import ConfigError, EngineConfig, redact_url, store_option
+from engine.config import ConfigError, EngineConfig, redact_url
 from engine.kv_cache_manager import cdiv
 
 logger = logging.getLogger(__name__)
@@ -26,16 +26,13 @@ def build_connector(config: EngineConfig, kv_cache: torch.Tensor, fingerprint: b
     the tier comes back by itself when its server does."""
     if not config.kv_offload:
         return NullConnector()
-    from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
+    from connectors.kvstore_connector import KVStoreConnector
 
-    settings = ConnectorSettings(
-        chunk_tokens=config.kv_chunk_tokens, save_decode=config.kv_save_decode, role=config.kv_role)
-    options = config.store_options()
-    options["staging_size"] = staging_size(config, chunk_bytes(config, kv_cache))
     try:
-        connector = KVStoreConnector.from_options(kv_cache, fingerprint, settings, **options)
+        connector = KVStoreConnector.from_config(
+            kv_cache, fingerprint, config, staging_size(config, chunk_bytes(config, kv_cache)))
     except ConnectorConfigError as exc:
-        raise ConfigError(store_option(exc.option), str(exc)) from exc
+        raise ConfigError(exc.option or "kv_offload", str(exc)) from exc
     if connector.store.probe_remote(PROBE_TIMEOUT_S):
         logger.warning(
             "the redis tier at %s does not answer: serving without it (no KV sharing) until "

@@ -1,6 +1,6 @@
 """Content-addressed KV record store over the cpu, disk and redis tiers.
 
-Entry point: `TieredStore.from_options(ChunkSpec.for_kv_layout(...), tiers="cpu,disk")`.
+Entry point: `TieredStore.from_config(ChunkSpec.for_kv_layout(...), StoreConfig(kv_offload="cpu,disk", ...))`.
 
 The names below are imported on first use: `kvstore.config` (which the CLI's option
 checks need) must not pull in torch through the store, so that a bad flag is reported

@@ -1,14 +1,24 @@
-"""Store options and the construction of the tiers they describe."""
+"""The store's options, declared once, and the construction of the tiers they describe.
+
+`StoreConfig` is the one place a store option is defined: its default, its bounds, its
+help. Field names are the options' names everywhere: the `LLM(...)` keyword, with
+dashes the `kvtier serve` flag (the engine's config tree includes this class as its
+store section), a key of a config file. So an error names its option without a
+translation, and a front end shows it as its own flag.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvstore.errors import StoreConfigError
+from kvstore.options import GiB, PathOption, Seconds, Size, describe_error, option
 from tiers.disk import FSYNC_POLICIES, DiskTier
-from tiers.errors import TierConfigError
+from tiers.errors import RedisUrlError, TierConfigError
 from tiers.eviction import EVICTION_POLICIES
 from tiers.redis_url import parse_redis_url
 
@@ -21,79 +31,119 @@ if TYPE_CHECKING:  # StoreConfig is checked before torch is imported (the CLI's 
 TIER_ORDER = ("cpu", "disk", "redis")
 # Tiers shared by every instance configured with them: their outage hits all instances at once.
 REMOTE_TIERS = ("redis",)
-COMPRESS_OPTIONS = (None, "", "none", "lz4", "lz4-plain", "lz4-planes")
-# The option a tier's own configuration error is about (sizes are checked before).
-TIER_OPTIONS = {"cpu": "cpu_size", "disk": "disk_path", "redis": "redis_url"}
-GiB = 1024**3
+# Host slots of a store without the cpu tier (with it: the slots touched up front), when
+# the caller has no better figure (the engine sizes them for one request's records).
+STAGING_SIZE = 64 * 1024**2
 
 
 def parse_tiers(tiers: str | Sequence[str]) -> tuple[str, ...]:
-    """'cpu,disk' or ('disk', 'cpu') -> ('cpu', 'disk'): fastest first."""
+    """'cpu,disk' or ('disk', 'cpu') -> ('cpu', 'disk'): fastest first; '' or 'none': no
+    tier (an engine without a store)."""
     names = tiers.split(",") if isinstance(tiers, str) else list(tiers)
-    names = [n.strip().lower() for n in names if n.strip()]
+    names = [n.strip().lower() for n in names if n.strip() and n.strip().lower() != "none"]
     unknown = sorted(set(names) - set(TIER_ORDER))
     if unknown:
-        raise StoreConfigError(f"unknown tier {unknown[0]!r}; choose from {', '.join(TIER_ORDER)}", "tiers")
-    if not names:
-        raise StoreConfigError("a store needs at least one tier", "tiers")
+        raise ValueError(f"unknown tier {unknown[0]!r}; choose from {', '.join(TIER_ORDER)}")
     return tuple(t for t in TIER_ORDER if t in names)
 
 
-@dataclass(frozen=True)
-class StoreConfig:
-    """Every store option. Sizes are bytes; times are seconds."""
+def _compression(value: str | None) -> str | None:
+    return None if value == "none" else value
 
-    tiers: tuple[str, ...] = ("cpu",)
-    cpu_size: int = 4 * GiB
-    # host slots of a store without the cpu tier; with it, the slots touched up front
-    staging_size: int = 64 * 1024**2
-    pin_memory: bool | None = None  # None: pinned iff CUDA is available
-    disk_path: str | None = None
-    disk_size: int = 32 * GiB
-    disk_fsync: str = "none"
-    eviction: str = "lru"  # of the cpu and disk tiers (tiers.eviction)
-    redis_url: str | None = None
-    redis_ttl_s: float | None = None
-    redis_key_prefix: str = "kvtier:"
-    redis_op_timeout_s: float = 2.0
-    redis_connect_timeout_s: float = 1.0
-    redis_probe_interval_s: float = 1.0
-    compress: str | None = None  # applies to disk and redis records
-    secret: str | bytes | None = field(default=None, repr=False)
-    lookup_timeout_s: float = 0.1  # bound on a probe of Redis's block index
-    refresh_interval_s: float = 1.0  # how often listable tiers (disk) are rescanned
-    load_timeout_s: float = 10.0
-    max_pending_write_bytes: int = 256 * 1024**2
-    write_workers: int = 2
-    promote: bool = True  # copy disk/redis hits into the cpu tier
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tiers", parse_tiers(self.tiers))
-        if "disk" in self.tiers and not self.disk_path:
-            raise StoreConfigError("the disk tier needs a directory", "disk_path")
-        if "redis" in self.tiers and not self.redis_url:
-            raise StoreConfigError("the redis tier needs a URL (redis://host:port)", "redis_url")
-        if self.compress not in COMPRESS_OPTIONS:
-            raise StoreConfigError(f"unknown compression {self.compress!r}; use none or lz4", "compress")
-        if self.disk_fsync not in FSYNC_POLICIES:
-            raise StoreConfigError(f"must be one of {', '.join(FSYNC_POLICIES)}", "disk_fsync")
-        if self.eviction not in EVICTION_POLICIES:
-            raise StoreConfigError(f"must be one of {', '.join(EVICTION_POLICIES)}", "eviction")
-        positive = ("cpu_size", "staging_size", "disk_size", "lookup_timeout_s", "load_timeout_s", "redis_op_timeout_s",
-                    "redis_connect_timeout_s", "redis_probe_interval_s", "refresh_interval_s", "write_workers")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise StoreConfigError(f"must be positive, got {getattr(self, name)}", name)
-        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
-            raise StoreConfigError(f"must be positive (or unset: no expiry), got {self.redis_ttl_s}", "redis_ttl_s")
-        if self.max_pending_write_bytes < 0:
-            raise StoreConfigError(f"must be >= 0, got {self.max_pending_write_bytes}", "max_pending_write_bytes")
+def _redis_url(url: str | None) -> str | None:
+    """Refused here, before anything starts, rather than when the tier connects."""
+    if url is not None:
+        try:
+            parse_redis_url(url)
+        except RedisUrlError as exc:
+            raise ValueError(str(exc)) from None
+    return url
+
+
+Tiers = Annotated[tuple[str, ...], BeforeValidator(lambda value: parse_tiers(value or ()))]
+
+
+class StoreConfig(BaseModel):
+    """Every store option. Sizes are bytes (given as a bare number of GiB or with a
+    unit); durations are seconds. Construction checks every field and the fields
+    together, and raises StoreConfigError naming the option."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=False)
+
+    kv_offload: Tiers = option(
+        (), "Comma-separated offload tiers below the device: any of cpu, disk, redis.", metavar="TIERS")
+    kv_offload_cpu_size: Annotated[Size, Field(gt=0)] = option(
+        4 * GiB, "Memory budget of the cpu tier: GiB, or with a unit (512MiB).", metavar="SIZE")
+    kv_offload_disk_path: PathOption | None = option(
+        None, "Directory of the disk tier (default: $XDG_CACHE_HOME/kvtier/kv, or "
+        "~/.cache/kvtier/kv). Several instances may share it.", metavar="DIR")
+    kv_offload_disk_size: Annotated[Size, Field(gt=0)] = option(
+        32 * GiB, "Budget of the disk tier: GiB, or with a unit.", metavar="SIZE")
+    kv_offload_disk_fsync: Literal[FSYNC_POLICIES] = option(
+        "none", "When disk records reach stable storage: none (the page cache decides), "
+        "file (each record) or full (record and directory).")
+    kv_offload_eviction: Literal[EVICTION_POLICIES] = option(
+        "lru", "Which records the cpu and disk tiers evict first (vLLM's names): lru, the "
+        "least recently used; arc, Adaptive Replacement Cache, which keeps records hit more than "
+        "once apart from a stream of records seen once.")
+    kv_redis_url: Annotated[str | None, AfterValidator(_redis_url)] = option(
+        None, "Redis tier URL: redis://host:port, rediss://:password@host:port, "
+        "redis+cluster://host:port,host:port, or unix:///path/to/redis.sock (a Redis on this host).",
+        metavar="URL")
+    kv_redis_ttl: Seconds | None = option(
+        None, "Seconds a Redis record lives (default: no expiry; Redis's eviction policy decides).",
+        metavar="SECONDS")
+    kv_redis_key_prefix: str = option(
+        "kvtier:", "Prefix of every Redis key (separates deployments on one Redis).", metavar="PREFIX")
+    kv_redis_op_timeout: Seconds = option(
+        2.0, "Seconds one Redis command may take before it counts as failed.", metavar="SECONDS")
+    kv_redis_connect_timeout: Seconds = option(
+        1.0, "Seconds to wait for a Redis connection.", metavar="SECONDS")
+    kv_redis_probe_interval: Seconds = option(
+        1.0, "Seconds between probes of an unhealthy Redis tier.", metavar="SECONDS")
+    kv_compress: Annotated[Literal["none", "lz4", "lz4-plain", "lz4-planes"] | None,
+                           AfterValidator(_compression)] = option(
+        None, "Compression of records below the cpu tier: lz4 (byte planes for 2- and 4-byte "
+        "dtypes: for bf16 only the sign/exponent plane compresses), lz4-plain, lz4-planes or none.")
+    kv_secret: str | None = option(
+        None, "Shared secret: records are signed with HMAC-SHA256 and unsigned or foreign ones "
+        "rejected. Set it on any tier others can write to (docs/RELIABILITY.md); prefer "
+        "--kv-secret-file, command lines are visible to other users.", metavar="SECRET", secret=True)
+    kv_load_timeout: Seconds = option(
+        10.0, "Seconds to wait for a disk/redis load before recomputing instead.", metavar="SECONDS")
+    kv_lookup_timeout: Seconds = option(
+        0.1, "Seconds an asynchronous probe of Redis's block index may take; blocks it "
+        "has not found by then are recomputed (the scheduler never waits on it).", metavar="SECONDS")
+    kv_refresh_interval: Seconds = option(
+        1.0, "Seconds between background rescans of the disk directory for records other "
+        "processes (or an earlier run) wrote.", metavar="SECONDS")
+    kv_write_workers: Annotated[int, Field(gt=0, le=256)] = option(
+        2, "Background threads writing records to disk and Redis.")
+    kv_max_pending_writes: Size = option(
+        256 * 1024**2, "Bytes of records waiting to be written below the cpu tier; past it new saves "
+        "are dropped (GiB, or with a unit).", metavar="SIZE")
+    kv_promote: bool = option(True, "Copy disk/redis hits into the cpu tier.")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            option_name, message = describe_error(exc)
+            raise StoreConfigError(message, option_name) from None
+        self.check_store_options()
+
+    def check_store_options(self) -> None:
+        """Checks across fields, after every field has its type. A front end that fills
+        in a default (the engine's disk directory) does it in an override, before these."""
+        if "disk" in self.kv_offload and not self.kv_offload_disk_path:
+            raise StoreConfigError("the disk tier needs a directory", "kv_offload_disk_path")
+        if "redis" in self.kv_offload and not self.kv_redis_url:
+            raise StoreConfigError("the redis tier needs a URL (redis://host:port)", "kv_redis_url")
 
     @property
     def secret_bytes(self) -> bytes | None:
-        if not self.secret:
-            return None
-        return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
+        return self.kv_secret.encode() if self.kv_secret else None
 
 
 def redis_nodes(url: str) -> tuple[tuple[str, int], ...]:
@@ -101,44 +151,54 @@ def redis_nodes(url: str) -> tuple[tuple[str, int], ...]:
     return parse_redis_url(url).nodes
 
 
-def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> CpuTier:
-    """The host slots: the cpu tier when configured, else staging slots that keep nothing."""
+@contextmanager
+def _blaming(option_name: str) -> Iterator[None]:
+    """A tier's own configuration error (a directory that cannot be made, a cpu tier too
+    small for one record) as a StoreConfigError naming the option to change."""
+    try:
+        yield
+    except TierConfigError as exc:
+        raise StoreConfigError(str(exc), option_name) from exc
+
+
+def build_tiers(
+    codec: RecordCodec, config: StoreConfig, pins: PinTable, staging_size: int = STAGING_SIZE
+) -> tuple[CpuTier, list[RecordTier]]:
+    """The host slots and the record tiers below them, in lookup order."""
+    if not config.kv_offload:
+        raise StoreConfigError("a store needs at least one tier", "kv_offload")
+    return build_memory(codec, config, pins, staging_size), build_record_tiers(codec, config, pins)
+
+
+def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable, staging_size: int) -> CpuTier:
+    """The host slots: the cpu tier when configured, else `staging_size` bytes of slots
+    that keep nothing. The first `staging_size` bytes are touched now, off the data path."""
     from tiers.cpu import CpuTier
 
-    retain = "cpu" in config.tiers
-    size = config.cpu_size if retain else config.staging_size
-    try:
-        return CpuTier(size, codec.slot_bytes, pins, config.pin_memory, retain=retain, eviction=config.eviction)
-    except TierConfigError as exc:
-        raise StoreConfigError(str(exc), "cpu_size" if retain else "staging_size") from exc
+    retain = "cpu" in config.kv_offload
+    with _blaming("kv_offload_cpu_size" if retain else "kv_offload"):
+        memory = CpuTier(config.kv_offload_cpu_size if retain else staging_size, codec.slot_bytes, pins,
+                         retain=retain, eviction=config.kv_offload_eviction)
+    memory.touch_pages(staging_size)
+    return memory
 
 
 def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> list[RecordTier]:
-    """The configured record tiers, in lookup order; TierConfigError becomes StoreConfigError
-    naming the tier's option."""
+    """The configured tiers below the host slots, in lookup order."""
     from tiers.redis_tier import RedisTier
 
-    builders = {
-        # Below a cpu tier, the page cache would hold a second copy of what the cpu tier holds.
-        "disk": lambda: DiskTier(config.disk_path, config.disk_size, pins, fsync=config.disk_fsync,
-                                 head_bytes=codec.head_size, direct_io="cpu" in config.tiers,
-                                 eviction=config.eviction),
-        "redis": lambda: RedisTier(
-            config.redis_url,
-            pins,
-            ttl_s=config.redis_ttl_s,
-            key_prefix=config.redis_key_prefix,
-            op_timeout_s=config.redis_op_timeout_s,
-            connect_timeout_s=config.redis_connect_timeout_s,
-            probe_interval_s=config.redis_probe_interval_s,
-        ),
-    }
-    tiers = []
-    for name in config.tiers:
-        if name == "cpu":
-            continue
-        try:
-            tiers.append(builders[name]())
-        except TierConfigError as exc:
-            raise StoreConfigError(str(exc), TIER_OPTIONS[name]) from exc
+    tiers: list[RecordTier] = []
+    if "disk" in config.kv_offload:
+        with _blaming("kv_offload_disk_path"):
+            # Below a cpu tier, the page cache would hold a second copy of what the cpu tier holds.
+            tiers.append(DiskTier(
+                config.kv_offload_disk_path, config.kv_offload_disk_size, pins,
+                fsync=config.kv_offload_disk_fsync, head_bytes=codec.head_size,
+                direct_io="cpu" in config.kv_offload, eviction=config.kv_offload_eviction))
+    if "redis" in config.kv_offload:
+        with _blaming("kv_redis_url"):
+            tiers.append(RedisTier(
+                config.kv_redis_url, pins, ttl_s=config.kv_redis_ttl, key_prefix=config.kv_redis_key_prefix,
+                op_timeout_s=config.kv_redis_op_timeout, connect_timeout_s=config.kv_redis_connect_timeout,
+                probe_interval_s=config.kv_redis_probe_interval))
     return tiers

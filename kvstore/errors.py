@@ -14,7 +14,7 @@ class StoreError(Exception):
 
 class StoreConfigError(StoreError, ValueError):
     """Store options that cannot work; `option` names the StoreConfig field when one is
-    to blame (so that a front end can name its own flag)."""
+    to blame (its name is also the option's keyword and, with dashes, its flag)."""
 
     def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)

@@ -28,12 +28,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvstore.compression import resolve_codec
-from kvstore.config import StoreConfig, build_memory, build_record_tiers
+from kvstore.config import STAGING_SIZE, StoreConfig, build_tiers
 from kvstore.errors import RecordError, StoreClosedError, StoreConfigError
 from kvstore.index import BlockIndex, BlockLocation, StoredRecord
 from kvstore.keys import ChunkKey, ChunkKeyer
@@ -185,7 +184,7 @@ class TieredStore:
         config: StoreConfig | None = None,
         pins: PinTable | None = None,
     ) -> None:
-        """Use `from_options` unless you build the tiers yourself (tests, tools).
+        """Use `from_config` unless you build the tiers yourself (tests, tools).
         `memory`'s slots must hold a record (`RecordCodec(spec).slot_bytes`)."""
         self.spec = spec
         self.config = config or StoreConfig()
@@ -199,10 +198,9 @@ class TieredStore:
         for tier in self.tiers:
             tier.pins = self.pins
         self.keyer = ChunkKeyer(spec.fingerprint, spec.chunk_tokens, spec.blocks_per_chunk)
-        self.codec = RecordCodec(spec, resolve_codec(self.config.compress, spec.itemsize), self.config.secret_bytes)
+        self.codec = RecordCodec(spec, resolve_codec(self.config.kv_compress, spec.itemsize), self.config.secret_bytes)
         if memory.slot_bytes < self.codec.slot_bytes:
             raise StoreConfigError(f"host slots of {memory.slot_bytes} bytes cannot hold a record")
-        memory.touch_pages(self.config.staging_size)
         self.index = BlockIndex(names, spec.blocks_per_chunk)
         self._recoveries = {t.name: t.health.recoveries for t in self.lower if t.remote}
         self.counters = StoreCounters()
@@ -216,7 +214,7 @@ class TieredStore:
         # the prefetch was for), later loads for the cpu tier.
         self._prefetched: dict[str, str] = {}
         self._parts = StoreParts(self.codec, self.keyer, memory, self.lower, self.counters)
-        self._writer = WriteBehind(self._parts, self.config.max_pending_write_bytes, self.config.write_workers)
+        self._writer = WriteBehind(self._parts, self.config.kv_max_pending_writes, self.config.kv_write_workers)
         self._loader = Loader(self._parts)
         self._upkeep = Upkeep()
         listable = [t for t in self.lower if self._discover(t)]
@@ -225,17 +223,16 @@ class TieredStore:
             for name, step in tier.upkeep():
                 self._upkeep.every(name, step)
         if listable:
-            self._upkeep.every("index-refresh", lambda: self._refresh(listable), self.config.refresh_interval_s)
+            self._upkeep.every("index-refresh", lambda: self._refresh(listable), self.config.kv_refresh_interval)
 
     @classmethod
-    def from_options(cls, spec: ChunkSpec, **options: Any) -> TieredStore:
-        """Build the store and its tiers from StoreConfig keyword options, e.g.
-        `from_options(spec, tiers="cpu,disk", cpu_size=4 << 30, disk_path="/var/kv")`."""
-        config = StoreConfig(**options)
+    def from_config(cls, spec: ChunkSpec, config: StoreConfig, staging_size: int = STAGING_SIZE) -> TieredStore:
+        """Build the store and its tiers, e.g. `from_config(spec, StoreConfig(kv_offload="cpu,disk",
+        kv_offload_disk_path="/var/kv"))`; `staging_size`: bytes of host slots when there is
+        no cpu tier (with one, the slots touched up front)."""
         pins = PinTable()
-        codec = RecordCodec(spec)
-        memory = build_memory(codec, config, pins)
-        return cls(spec, memory, build_record_tiers(codec, config, pins), config, pins)
+        memory, lower = build_tiers(RecordCodec(spec), config, pins, staging_size)
+        return cls(spec, memory, lower, config, pins)
 
     # keys ------------------------------------------------------------------------------
 
@@ -340,7 +337,7 @@ class TieredStore:
         if not tiers or start >= end:
             return None
         self.counters.add(probes=1)
-        answer = _ProbeAnswer(time.monotonic() + self.config.lookup_timeout_s)
+        answer = _ProbeAnswer(time.monotonic() + self.config.kv_lookup_timeout)
         probe = _Probe(list(block_hashes[start:end]), start, tiers, answer)
         answer.on_timeout = lambda: self._probe_timed_out(probe.asking)
         probe.task = self._loader.submit(lambda: self._ask_index(probe))
@@ -374,7 +371,7 @@ class TieredStore:
         self.counters.add(loads=1, load_records=len(reads))
         if not reads:
             return Load(parts, None, blocked)
-        batch = self._loader.batch(reads, timeout_s or self.config.load_timeout_s)
+        batch = self._loader.batch(reads, timeout_s or self.config.kv_load_timeout)
         load = Load(parts, batch, blocked, lambda: self._loader.start(batch))
         if start:
             load.start()
@@ -385,7 +382,7 @@ class TieredStore:
         """Whether a record read for a load stays in the cpu tier afterwards (promotion,
         from its slot); if not, a load may have it read straight to where its blocks go
         (`Load.offer`)."""
-        return self.memory.retain and self.config.promote
+        return self.memory.retain and self.config.kv_promote
 
     def view(self, part: LoadPart) -> torch.Tensor:
         """The part's blocks in its slot, `[count, *block shape]` (valid until closed)."""
@@ -408,7 +405,7 @@ class TieredStore:
         """Read these records into the cpu tier in the background; the batch is done when
         they are in (None: nothing to read, or no cpu tier to read into)."""
         self._check_open()
-        if not self.memory.retain or not self.config.promote:
+        if not self.memory.retain or not self.config.kv_promote:
             return None
         reads = []
         for record in records:
@@ -420,7 +417,7 @@ class TieredStore:
             reads.append(read)
         if not reads:
             return None
-        batch = self._loader.batch(reads, self.config.load_timeout_s)
+        batch = self._loader.batch(reads, self.config.kv_load_timeout)
         self._loader.start(batch)
         self._prefetches.append(batch)
         return batch
@@ -522,7 +519,7 @@ class TieredStore:
         started = [r for r in reads if r is not None]
         self.counters.add(loads=1, load_records=len(started))
         if started:
-            batch = self._loader.batch(started, timeout_s or self.config.load_timeout_s)
+            batch = self._loader.batch(started, timeout_s or self.config.kv_load_timeout)
             self._loader.start(batch)
             batch.wait()
         tiers: list[str | None] = []
@@ -692,7 +689,7 @@ class TieredStore:
         """The upkeep step that rescans listable tiers; the seconds until the next."""
         for tier in tiers:
             self._discover(tier)
-        return self.config.refresh_interval_s
+        return self.config.kv_refresh_interval
 
     def _discover(self, tier: RecordTier) -> bool:
         """Scan a listable tier: records of this store whose head verifies are for the
@@ -766,7 +763,7 @@ class TieredStore:
             "kvstore: a probe of the %s tier's block index took longer than the lookup timeout "
             "(%.3f s, --kv-lookup-timeout): the blocks it asked about count as absent and are "
             "recomputed. Counted in kvtier:store_probe_timeouts; on a loaded host raise "
-            "--kv-lookup-timeout. Logged once.", tier.name, self.config.lookup_timeout_s,
+            "--kv-lookup-timeout. Logged once.", tier.name, self.config.kv_lookup_timeout,
         )
 
     def _parse_index_entry(self, entry: bytes | None) -> tuple[int, str] | None:

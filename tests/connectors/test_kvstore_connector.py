@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from connectors import KVStoreNotConfiguredError, NullConnector
-from connectors.kvstore_connector import ConnectorSettings, KVStoreConnector
+from connectors.config import ConnectorConfig
+from connectors.kvstore_connector import KVStoreConnector
 from engine.hashing import BlockHasher
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from kvstore.config import STAGING_SIZE
 
 BS, CHUNK, NUM_BLOCKS = 4, 8, 40  # 2 blocks per chunk
 FINGERPRINT = hashlib.sha256(b"connector-test-model").digest()
@@ -31,12 +33,13 @@ def make_cache() -> torch.Tensor:
     return cache
 
 
-def make_connector(cache: torch.Tensor, tmp_path: Path, tiers: str = "cpu", **options) -> KVStoreConnector:
-    options.setdefault("cpu_size", 1 << 20)
-    return KVStoreConnector.from_options(
-        cache, FINGERPRINT, ConnectorSettings(chunk_tokens=CHUNK), tiers=tiers,
-        disk_path=str(tmp_path / "disk"), **options,
-    )
+def make_connector(
+    cache: torch.Tensor, tmp_path: Path, tiers: str = "cpu", staging_size: int = STAGING_SIZE, **options
+) -> KVStoreConnector:
+    options.setdefault("kv_offload_cpu_size", "1MiB")
+    config = ConnectorConfig(kv_chunk_tokens=CHUNK, kv_offload=tiers, kv_offload_disk_path=str(tmp_path / "disk"),
+                             **options)
+    return KVStoreConnector.from_config(cache, FINGERPRINT, config, staging_size)
 
 
 def make_request(request_id: str, num_tokens: int, salt: str | None = None, first: int = 10) -> Request:
@@ -297,7 +300,7 @@ def test_prefetch_pulls_queued_requests_records_into_the_cpu_tier(cache, tmp_pat
 
 def test_saves_are_skipped_when_every_slot_is_held(cache, tmp_path):
     record = make_connector(cache, tmp_path).store.memory.slot_bytes
-    connector = make_connector(cache, tmp_path, cpu_size=2 * record)
+    connector = make_connector(cache, tmp_path, kv_offload_cpu_size=f"{2 * record}B")
     pinned = make_request("p", 17, first=500)  # 2 full records, pinned: they never leave
     connector.pin(pinned.block_hashes, ttl_s=None)
     compute_and_save(connector, pinned, [0, 1, 2, 3, 4])

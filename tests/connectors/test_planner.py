@@ -18,7 +18,7 @@ from engine.hashing import BlockHasher
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from kvstore import ChunkSpec, TieredStore
+from kvstore import ChunkSpec, StoreConfig, TieredStore
 
 GEOMETRY = ChunkGeometry(block_size=4, chunk_tokens=16)  # 4 blocks per chunk
 FINGERPRINT = hashlib.sha256(b"planner-test-model").digest()
@@ -35,7 +35,7 @@ def make_request(request_id: str, tokens: list[int]) -> Request:
 
 @pytest.fixture
 def store():
-    with TieredStore.from_options(SPEC, tiers="cpu", cpu_size=1 << 20) as store:
+    with TieredStore.from_config(SPEC, StoreConfig(kv_offload="cpu", kv_offload_cpu_size="1MiB")) as store:
         yield store
 
 
@@ -87,11 +87,11 @@ def test_a_stored_record_is_planned_only_once_and_loads_cover_any_shared_run(sto
 
 def test_a_lookup_waits_for_the_remote_index_then_finds_another_instances_records(redis_url, tmp_path):
     request = make_request("a", list(range(100, 126)))
-    with TieredStore.from_options(SPEC, tiers="redis", redis_url=redis_url) as writer:
+    with TieredStore.from_config(SPEC, StoreConfig(kv_offload="redis", kv_redis_url=redis_url)) as writer:
         keys = [writer.key(request.block_hashes[:4]), writer.key(request.block_hashes[4:6], 4)]
         payloads = [torch.zeros(4, *SPEC.block_shape), torch.ones(2, *SPEC.block_shape)]
         assert writer.save(keys, payloads).result(5).complete
-    with TieredStore.from_options(SPEC, tiers="redis", redis_url=redis_url, lookup_timeout_s=5) as reader:
+    with TieredStore.from_config(SPEC, StoreConfig(kv_offload="redis", kv_redis_url=redis_url, kv_lookup_timeout=5)) as reader:
         planner = Planner(reader, GEOMETRY, save_decode=False)
         assert reader.locate(request.block_hashes, 0, 6) == []
         assert planner.match(request, 0) == (None, False)  # the probe of Redis's index is out

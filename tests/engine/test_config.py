@@ -18,10 +18,11 @@ from engine.config import (
     EngineConfig,
     GiB,
     ServerConfig,
+    StoreOptions,
     flag_name,
-    parse_size,
 )
 from kvstore import StoreConfig
+from kvstore.options import parse_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 540  # under pytest's --timeout=600
@@ -45,23 +46,23 @@ def test_every_option_of_the_tree_is_a_flag_with_help():
     assert "--config FILE.yaml" in help_text
 
 
-def test_store_defaults_come_from_the_store():
-    config = EngineConfig()
-    assert config.kv_offload_cpu_size == StoreConfig.cpu_size
-    assert config.kv_load_timeout == StoreConfig.load_timeout_s
-    assert config.kv_write_workers == StoreConfig.write_workers
-
-
-def test_every_store_knob_reaches_the_store():
+def test_the_store_section_is_the_stores_own_config():
+    """Every store option is declared once, by the store: the engine's section is a
+    StoreConfig, with the store's fields, defaults and help, so the engine's config is
+    what the store takes."""
+    assert issubclass(StoreOptions, StoreConfig)
+    for name, field in StoreConfig.model_fields.items():
+        included = StoreOptions.model_fields[name]
+        assert (included.default, included.description) == (field.default, field.description), name
     config, _ = serve_options(
         "--kv-offload", "cpu,disk,redis", "--kv-redis-url", "redis://127.0.0.1:1", "--kv-redis-ttl", "60",
         "--kv-offload-disk-fsync", "file", "--kv-lookup-timeout", "0.5", "--kv-write-workers", "3",
         "--no-kv-promote", "--kv-max-pending-writes", "64MiB", "--kv-redis-key-prefix", "t:",
     )
-    store = StoreConfig(**config.store_options())
-    assert (store.redis_ttl_s, store.disk_fsync, store.lookup_timeout_s) == (60.0, "file", 0.5)
-    assert (store.write_workers, store.promote, store.max_pending_write_bytes) == (3, False, 64 * MiB)
-    assert store.redis_key_prefix == "t:" and store.tiers == ("cpu", "disk", "redis")
+    store = StoreConfig(**config.model_dump(include=set(StoreConfig.model_fields)))
+    assert (store.kv_redis_ttl, store.kv_offload_disk_fsync, store.kv_lookup_timeout) == (60.0, "file", 0.5)
+    assert (store.kv_write_workers, store.kv_promote, store.kv_max_pending_writes) == (3, False, 64 * MiB)
+    assert store.kv_redis_key_prefix == "t:" and store.kv_offload == ("cpu", "disk", "redis")
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -92,7 +93,8 @@ def test_vllm_offloading_aliases():
     config, _ = serve_options("--kv-offloading-size", "3")
     assert config.kv_offload == ("cpu",) and config.kv_offload_cpu_size == 3 * GiB
     config, _ = serve_options("--kv-offloading-backend", "native", "--kv-offload", "disk")
-    assert config.kv_offload == ("cpu", "disk") and config.kv_offload_cpu_size == StoreConfig.cpu_size
+    assert config.kv_offload == ("cpu", "disk")
+    assert config.kv_offload_cpu_size == StoreConfig.model_fields["kv_offload_cpu_size"].default
     with pytest.raises(ConfigError, match=r"^--kv-offloading-backend"):
         serve_options("--kv-offloading-backend", "lmcache")
     with pytest.raises(ConfigError, match=r"^--kv-offloading-size: give it or --kv-offload-cpu-size"):
@@ -201,7 +203,7 @@ def test_llm_keyword_errors_name_the_keyword():
     (["--kv-offload", "tape"], "kvtier serve: error: --kv-offload: unknown tier 'tape'"),
     (["--kv-offload", "redis"], "kvtier serve: error: --kv-redis-url: the redis tier needs a URL"),
     (["--block-size", "24"], "kvtier serve: error: --block-size: must be a positive power of two, got 24"),
-    (["--kv-offload-disk-fsync", "always"], "kvtier serve: error: --kv-offload-disk-fsync: must be one of"),
+    (["--kv-offload-disk-fsync", "always"], "kvtier serve: error: --kv-offload-disk-fsync: Input should be 'none', 'file' or 'full'"),
     (["--max-logprobs", "-1"], "kvtier serve: error: --max-logprobs: Input should be greater than or equal to 0"),
     (["--chat-template", "no/such.jinja"], "kvtier serve: error: --chat-template: 'no/such.jinja' is neither"),
 ])

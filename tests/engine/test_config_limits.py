@@ -12,7 +12,8 @@ import pytest
 
 from engine.arg_utils import load_options, read_config_file
 from engine.cli import build_parser
-from engine.config import ConfigError, EngineConfig, ServerConfig, parse_size
+from engine.config import ConfigError, EngineConfig, ServerConfig
+from kvstore.options import parse_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

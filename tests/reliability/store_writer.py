@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from kvstore import ChunkSpec, TieredStore
+from kvstore import ChunkSpec, StoreConfig, TieredStore
 
 OTHER_MODEL = hashlib.sha256(b"another model").digest()
 REPORT_EVERY = 50
@@ -25,8 +25,9 @@ REPORT_EVERY = 50
 
 def open_store(spec: dict, fingerprint: bytes) -> TieredStore:
     chunk = ChunkSpec(fingerprint, tuple(spec["shape"]), spec["dtype"], spec["chunk_tokens"])
-    return TieredStore.from_options(chunk, tiers="disk,redis", disk_path=spec["disk_path"],
-                                    disk_size=spec["disk_size"], redis_url=spec["redis_url"])
+    config = StoreConfig(kv_offload="disk,redis", kv_offload_disk_path=spec["disk_path"],
+                         kv_offload_disk_size=f"{spec['disk_size']}B", kv_redis_url=spec["redis_url"])
+    return TieredStore.from_config(chunk, config)
 
 
 def main(spec: dict) -> None:

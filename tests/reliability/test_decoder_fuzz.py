@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from scorecard import Scorecard
 
 from bench.redis_server import RedisServer
-from kvstore import RecordError, TieredStore
+from kvstore import RecordError, StoreConfig, TieredStore
 from kvstore.record import FLAG_HMAC, FLAG_LZ4, FLAG_LZ4_PLANES, HEADER_SIZE, MAGIC, RecordCodec
 from kvstore.spec import MAX_RANK, tensor_bytes
 from tests.store.store_helpers import make_spec
@@ -152,8 +152,8 @@ def test_a_huge_value_under_a_valid_key_is_read_in_bounded_memory(
     tier: str, redis_factory: Callable[[], RedisServer], tmp_path: Path, scorecard: Scorecard
 ):
     server = redis_factory() if tier == "redis" else None
-    options = {"tiers": tier, "disk_path": str(tmp_path), "redis_url": server and server.url}
-    with TieredStore.from_options(SPEC, **options) as store:
+    options = {"kv_offload": tier, "kv_offload_disk_path": str(tmp_path), "kv_redis_url": server and server.url}
+    with TieredStore.from_config(SPEC, StoreConfig(**options)) as store:
         key = store.key([KEY])
         plant_huge_value(store, key.name, server)
         out = torch.empty(SPEC.shape, dtype=SPEC.dtype)

@@ -1,10 +1,10 @@
 """A separate process that hammers a shared store; run by test_store_multiprocess.py.
 
-python mp_worker.py churn '{"disk_path": ..., "redis_url": ..., "seconds": 2, ...}'
+python mp_worker.py churn '{"kv_offload_disk_path": ..., "kv_redis_url": ..., "seconds": 2, ...}'
     through a disk-only and a redis-only store, saves and loads random chunks of a
     small shared id space until the deadline and checks every loaded chunk bit for
     bit; prints a JSON summary per tier.
-python mp_worker.py writer '{"disk_path": ..., "chunk_tokens": 1024}'
+python mp_worker.py writer '{"kv_offload_disk_path": ..., "chunk_tokens": 1024}'
     writes chunks forever (until killed); prints "ready" once some are on disk.
 """
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvstore import ChunkKey, TieredStore
+from kvstore import ChunkKey, StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 
@@ -30,13 +30,13 @@ def record_key(store: TieredStore, i: int) -> ChunkKey:
 
 def open_store(options: dict) -> TieredStore:
     spec = make_spec(torch.bfloat16, chunk_tokens=options.pop("chunk_tokens", 64))
-    return TieredStore.from_options(spec, **options)
+    return TieredStore.from_config(spec, StoreConfig(**options))
 
 
 def churn(options: dict) -> dict:
     rng = random.Random(options.pop("seed"))
     ids, seconds = options.pop("ids"), options.pop("seconds")
-    stores = [open_store({**options, "tiers": tier}) for tier in ("disk", "redis")]
+    stores = [open_store({**options, "kv_offload": tier}) for tier in ("disk", "redis")]
     out = torch.empty(stores[0].spec.shape, dtype=stores[0].spec.dtype)
     summary = {
         tier: {"saves": 0, "loads": 0, "hits": 0, "mismatches": 0} for tier in ("disk", "redis")

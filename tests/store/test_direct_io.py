@@ -93,7 +93,7 @@ def test_the_store_reads_the_disk_directly_only_below_a_cpu_tier(directory):
     codec = RecordCodec(ChunkSpec(bytes(32), (2, 1, 2, 4, 1, 8), torch.float16, 8))
 
     def disk_tier(tiers: tuple[str, ...]):
-        config = StoreConfig(tiers=tiers, disk_path=str(directory / "-".join(tiers)))
+        config = StoreConfig(kv_offload=tiers, kv_offload_disk_path=str(directory / "-".join(tiers)))
         (tier,) = build_record_tiers(codec, config, PinTable())
         return tier
 

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from kvstore import TieredStore
+from kvstore import StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, make_spec
 
 BLOCKS = 4  # blocks per record in make_spec()
@@ -28,12 +28,12 @@ def open_store(tmp_path):
     stores: list[TieredStore] = []
 
     def make(tiers: str, redis_url: str, **options) -> TieredStore:
-        options.setdefault("cpu_size", 1 << 20)
+        options.setdefault("kv_offload_cpu_size", "1MiB")
         # the test machine may be busy: no probe or read may give up early
-        options.setdefault("lookup_timeout_s", 30.0)
-        options.setdefault("redis_op_timeout_s", 30.0)
-        options.setdefault("load_timeout_s", 60.0)
-        store = TieredStore.from_options(make_spec(), tiers=tiers, redis_url=redis_url, **options)
+        options.setdefault("kv_lookup_timeout", 30.0)
+        options.setdefault("kv_redis_op_timeout", 30.0)
+        options.setdefault("kv_load_timeout", 60.0)
+        store = TieredStore.from_config(make_spec(), StoreConfig(kv_offload=tiers, kv_redis_url=redis_url, **options))
         stores.append(store)
         return store
 
@@ -66,7 +66,7 @@ def test_a_probe_past_the_lookup_timeout_is_counted_and_logged_once(open_store, 
     writer = open_store("redis", server.url)
     save_sequence(writer, 1, 8)
     # Redis's own timeout is long, so the tier stays healthy and only the probe's bound acts.
-    reader = open_store("cpu,redis", server.url, lookup_timeout_s=0.2, redis_op_timeout_s=60.0)
+    reader = open_store("cpu,redis", server.url, kv_lookup_timeout=0.2, kv_redis_op_timeout=60.0)
     hashes = sequence(1, 8)
     caplog.set_level(logging.WARNING, logger="kvstore")
     server.pause()  # SIGSTOP: connections stay open, nothing answers

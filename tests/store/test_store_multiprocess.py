@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore import TieredStore
+from kvstore import StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
 HERE = Path(__file__).parent
@@ -39,9 +39,9 @@ def summary_of(proc: subprocess.Popen) -> dict:
 def test_two_processes_share_disk_and_redis_without_torn_reads(tmp_path, redis_url):
     chunk = make_spec(torch.bfloat16, chunk_tokens=64).nbytes
     options = {
-        "disk_path": str(tmp_path / "kv"),
-        "redis_url": redis_url,
-        "disk_size": 5 * chunk,
+        "kv_offload_disk_path": str(tmp_path / "kv"),
+        "kv_redis_url": redis_url,
+        "kv_offload_disk_size": f"{5 * chunk}B",
         "ids": 8,
         "seconds": 2.0,
     }  # small budget: they evict each other
@@ -57,7 +57,7 @@ def test_two_processes_share_disk_and_redis_without_torn_reads(tmp_path, redis_u
 
 def test_sigkill_during_writes_leaves_no_torn_record(tmp_path):
     path = tmp_path / "kv"
-    writer = spawn("writer", {"tiers": "disk", "disk_path": str(path), "chunk_tokens": 1024})
+    writer = spawn("writer", {"kv_offload": "disk", "kv_offload_disk_path": str(path), "chunk_tokens": 1024})
     try:
         assert writer.stdout.readline().strip() == "ready"
         time.sleep(0.3)
@@ -65,7 +65,7 @@ def test_sigkill_during_writes_leaves_no_torn_record(tmp_path):
         writer.kill()
         writer.wait(10)
     spec = make_spec(torch.bfloat16, chunk_tokens=1024)
-    store = TieredStore.from_options(spec, tiers="disk", disk_path=str(path), disk_size=1 << 30)
+    store = TieredStore.from_config(spec, StoreConfig(kv_offload="disk", kv_offload_disk_path=str(path), kv_offload_disk_size="1GiB"))
     try:
         assert not list(path.rglob("*.tmp"))  # the dead writer's temp files were removed
         from mp_worker import record_key

@@ -11,7 +11,14 @@ import time
 import pytest
 import torch
 
-from kvstore import ChunkSpecError, StoreClosedError, StoreConfigError, TieredStore, loading
+from kvstore import (
+    ChunkSpecError,
+    StoreClosedError,
+    StoreConfig,
+    StoreConfigError,
+    TieredStore,
+    loading,
+)
 from kvstore.record import RecordCodec
 from kvstore.spec import tensor_bytes
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
@@ -40,12 +47,12 @@ def open_store(tmp_path, redis_url):
     stores: list[TieredStore] = []
 
     def make(tiers: str, spec=None, **options) -> TieredStore:
-        options.setdefault("disk_path", str(tmp_path / "kv"))
-        options.setdefault("redis_url", redis_url)
-        options.setdefault("cpu_size", 1 << 20)
-        options.setdefault("disk_size", 1 << 24)
-        options.setdefault("lookup_timeout_s", 5.0)  # the test machine may be busy
-        store = TieredStore.from_options(spec or make_spec(), tiers=tiers, **options)
+        options.setdefault("kv_offload_disk_path", str(tmp_path / "kv"))
+        options.setdefault("kv_redis_url", redis_url)
+        options.setdefault("kv_offload_cpu_size", "1MiB")
+        options.setdefault("kv_offload_disk_size", "16MiB")
+        options.setdefault("kv_lookup_timeout", 5.0)  # the test machine may be busy
+        store = TieredStore.from_config(spec or make_spec(), StoreConfig(kv_offload=tiers, **options))
         stores.append(store)
         return store
 
@@ -92,7 +99,7 @@ def load_run(store: TieredStore, hashes, start: int, end: int) -> tuple[torch.Te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compress", [None, "lz4"])
 def test_roundtrip_is_bit_exact_through_every_tier(open_store, tier, dtype, compress):
-    store = open_store(tier, make_spec(dtype), compress=compress, secret="k" if compress else None)
+    store = open_store(tier, make_spec(dtype), kv_compress=compress, kv_secret="k" if compress else None)
     keys = save_chunks(store, range(3))
     assert store.lookup(keys).tiers == (tier,) * 3
     outs = outputs(store.spec, 3)
@@ -117,7 +124,7 @@ def test_any_shared_run_of_blocks_is_found_however_records_were_cut(open_store, 
 def test_the_index_follows_what_tiers_drop(open_store):
     spec = make_spec()
     slot = RecordCodec(spec).slot_bytes
-    store = open_store("cpu,disk,redis", spec, cpu_size=2 * slot + slot // 2)
+    store = open_store("cpu,disk,redis", spec, kv_offload_cpu_size=f"{2 * slot + slot // 2}B")
     keys = [save_chunks(store, [i])[0] for i in range(6)]
     assert store.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
     assert store.flush(["disk"]).result(30) == {"disk": 6}
@@ -254,8 +261,8 @@ def test_record_of_another_model_under_our_key_is_rejected(open_store):
 
 
 def test_other_secret_and_raw_set_are_rejected_in_redis(open_store, redis_server):
-    writer = open_store("redis", secret="alpha")
-    reader = open_store("redis", secret="beta")
+    writer = open_store("redis", kv_secret="alpha")
+    reader = open_store("redis", kv_secret="beta")
     keys = save_chunks(writer, range(2))
     redis_server.client().set("kvtier:" + keys[1].name, b"raw bytes from someone else")
     assert reader.load(keys, outputs(reader.spec, 2)).result(10).ok == (False, False)
@@ -295,7 +302,7 @@ def test_a_restart_indexes_the_disk_records_from_their_headers(open_store):
 
 
 def test_a_second_process_on_the_directory_learns_new_records_in_the_background(open_store):
-    reader = open_store("disk", refresh_interval_s=0.05)
+    reader = open_store("disk", kv_refresh_interval=0.05)
     writer = open_store("disk")
     payload = save_sequence(writer, 4, 6)
     assert writer.drain(5)
@@ -332,7 +339,7 @@ def test_prefetch_pulls_records_into_cpu(open_store):
 
 def test_pinned_prefix_survives_heavy_traffic(open_store):
     spec = make_spec()
-    store = open_store("cpu", spec, cpu_size=4 * RecordCodec(spec).slot_bytes)
+    store = open_store("cpu", spec, kv_offload_cpu_size=f"{4 * RecordCodec(spec).slot_bytes}B")
     pinned = [record_key(store, i) for i in range(2)]
     store.pin(pinned, ttl_s=60)  # pinned before it exists, like a system prompt
     save_chunks(store, range(2))
@@ -366,7 +373,7 @@ def test_a_crashed_write_is_counted_and_the_writer_goes_on(open_store, monkeypat
 
 
 def test_pending_write_budget_drops_instead_of_blocking(open_store):
-    store = open_store("cpu,disk", max_pending_write_bytes=0)
+    store = open_store("cpu,disk", kv_max_pending_writes=0)
     result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),)
     assert store.stats().counters["save_dropped_records"] == 1
@@ -376,7 +383,7 @@ def gated_disk_store(open_store, slots: int):
     """A cpu,disk store whose cpu tier has `slots` slots and whose disk writes wait for
     the returned event."""
     probe = open_store("cpu")
-    store = open_store("cpu,disk", cpu_size=slots * probe.memory.slot_bytes)
+    store = open_store("cpu,disk", kv_offload_cpu_size=f"{slots * probe.memory.slot_bytes}B")
     disk, gate = store.lower[0], threading.Event()
     real_put = disk.put
 
@@ -451,7 +458,7 @@ def stuck_disk_reads(store: TieredStore) -> threading.Event:
 
 
 def test_a_load_of_a_record_another_load_is_reading_is_blocked_until_that_read_times_out(open_store):
-    store = open_store("disk", load_timeout_s=0.5)
+    store = open_store("disk", kv_load_timeout=0.5)
     save_chunks(store, [0])
     gate = stuck_disk_reads(store)
     hashes = sequence(0, BLOCKS)
@@ -484,7 +491,7 @@ def test_close_cancels_a_load_still_reading(open_store):
 
 def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory):
     server = redis_factory()
-    store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, redis_op_timeout_s=30)
+    store = TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu,redis", kv_redis_url=server.url, kv_redis_op_timeout=30))
     server.pause()
     try:
         future = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)])
@@ -505,8 +512,9 @@ def wait_for_health(store: TieredStore, tier: str, state: str, timeout_s: float 
 
 def redis_only_store(server, spec) -> TieredStore:
     """A store on `server` alone, with short timeouts and a fast probe (outage tests)."""
-    return TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=0.5,
-                                    redis_probe_interval_s=0.05)
+    config = StoreConfig(kv_offload="redis", kv_redis_url=server.url, kv_redis_op_timeout=0.5,
+                         kv_redis_probe_interval=0.05)
+    return TieredStore.from_config(spec, config)
 
 
 def test_redis_outage_is_misses_then_recovery(redis_factory):
@@ -555,7 +563,7 @@ def test_a_redis_restarted_between_two_probes_is_an_outage_though_no_operation_f
     probe that finds another Redis process must still make the index forget it."""
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_probe_interval_s=3600)
+    store = TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=server.url, kv_redis_probe_interval=3600))
     (redis,) = store.lower
     try:
         keys = save_chunks(store, range(3))
@@ -573,7 +581,7 @@ def test_a_redis_restarted_between_two_probes_is_an_outage_though_no_operation_f
 
 def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_factory):
     server = redis_factory()
-    store = TieredStore.from_options(make_spec(), tiers="cpu,redis", redis_url=server.url, lookup_timeout_s=0.2)
+    store = TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu,redis", kv_redis_url=server.url, kv_lookup_timeout=0.2))
     try:
         save_sequence(store, 8, 4)
         server.pause()
@@ -589,7 +597,7 @@ def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_
 def test_load_timeout_always_resolves(redis_factory):
     server = redis_factory()
     spec = make_spec()
-    store = TieredStore.from_options(spec, tiers="redis", redis_url=server.url, redis_op_timeout_s=30)
+    store = TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=server.url, kv_redis_op_timeout=30))
     try:
         keys = save_chunks(store, range(2))
         server.pause()
@@ -603,13 +611,13 @@ def test_load_timeout_always_resolves(redis_factory):
 
 def test_cluster_store_roundtrip_and_block_index(redis_cluster):
     spec = make_spec(torch.bfloat16)
-    with TieredStore.from_options(spec, tiers="redis", redis_url=redis_cluster, compress="lz4") as store:
+    with TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=redis_cluster, kv_compress="lz4")) as store:
         keys = save_chunks(store, range(12))
         assert store.lookup(keys).tiers == ("redis",) * 12
         outs = outputs(store.spec, 12)
         assert all(store.load(keys, outs).result(10).ok)
         assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
-        with TieredStore.from_options(spec, tiers="redis", redis_url=redis_cluster) as reader:
+        with TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=redis_cluster)) as reader:
             assert reader.probe(sequence(5, BLOCKS), 0, BLOCKS).result(10) == BLOCKS
         assert store.flush().result(30) == {"redis": 12}
 
@@ -639,15 +647,15 @@ def test_stats_snapshot(open_store):
 
 def test_misuse_raises_specific_errors(open_store):
     with pytest.raises(StoreConfigError):
-        TieredStore.from_options(make_spec(), tiers="cpu,tape")
+        TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu,tape"))
     with pytest.raises(StoreConfigError):
-        TieredStore.from_options(make_spec(), tiers="disk")
+        TieredStore.from_config(make_spec(), StoreConfig(kv_offload="disk"))
     with pytest.raises(StoreConfigError):
-        TieredStore.from_options(make_spec(), tiers="redis")
+        TieredStore.from_config(make_spec(), StoreConfig(kv_offload="redis"))
     with pytest.raises(StoreConfigError):
-        TieredStore.from_options(make_spec(), tiers="cpu", compress="zstd")
+        TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu", kv_compress="zstd"))
     with pytest.raises(StoreConfigError):
-        TieredStore.from_options(make_spec(), tiers="cpu", cpu_size=10)
+        TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu", kv_offload_cpu_size="10B"))
     store = open_store("cpu")
     key = record_key(store, 0)
     with pytest.raises(ChunkSpecError):
