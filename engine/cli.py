@@ -18,6 +18,7 @@ _START_SIGNALS = StartSignals() if StartSignals.is_command(__name__) else None
 from engine import __version__  # noqa: E402
 from engine.arg_utils import add_config_arguments, config_from_args, load_options  # noqa: E402
 from engine.config import ConfigError, EngineConfig, RouterConfig, ServerConfig, check_host_budgets  # noqa: E402
+from engine.cpu_threads import default_wait_policy  # noqa: E402
 
 # Nothing here imports torch (engine.builtin_models and engine.models do): every option is
 # checked, and a bad one reported, before any heavy import.
@@ -172,6 +173,7 @@ def _run(argv: list[str] | None, signals: StartSignals) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # every option checked before torch is imported
+    default_wait_policy()
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -196,6 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     config, settings = load_options(args, EngineConfig, ServerConfig)  # before torch is imported
     check_host_budgets(config)  # the server faults its cpu tier in at start
+    default_wait_policy()
     from engine.server.api_server import serve
 
     return serve(config, settings, on_ready=args.start_signals.ready)

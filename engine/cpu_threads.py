@@ -13,6 +13,16 @@ takes a core, the scheduler moves threads across cores, and each move loses the
 thread's cache and delays the barrier every op ends on. `auto` binds when the process
 has whole CPUs to itself (no quota below its affinity mask), one thread per physical
 core; under a fractional quota the threads stay free to run wherever time is left.
+
+Waiting (`default_wait_policy`): a process kvtier owns (`kvtier serve`, `kvtier generate`)
+runs its OpenMP threads with OMP_WAIT_POLICY=PASSIVE unless the environment chooses. By
+default libgomp spins for milliseconds at every barrier before it sleeps. On a core of
+its own a spinning thread costs nothing; beside other busy processes it burns the time
+slices the thread it waits for needs, and a thread that never sleeps loses the wake-up
+preference the scheduler gives sleepers, so every barrier of a decode step waits out
+other processes' slices. A sleeping waiter pays a futex wake per parallel region
+instead, a few percent of a quiet decode step. The measurements are in
+docs/notes/openmp-wait-policy.md.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import ctypes
 import dataclasses
 import math
 import os
+import sys
 import threading
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -136,6 +148,32 @@ def _v1_quota(directory: Path) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
+# ---- how waiting threads wait -------------------------------------------------------------------
+
+# The standard's variable, then libgomp's and Intel OpenMP's own: one set means someone chose.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+KVTIER_WAIT_POLICY = "PASSIVE"
+
+
+def default_wait_policy(environ: MutableMapping[str, str] = os.environ,
+                        modules: Mapping[str, object] = sys.modules) -> bool:
+    """Set OMP_WAIT_POLICY=PASSIVE in `environ` unless one of WAIT_VARIABLES is set; True
+    when it did. libgomp reads it once, when torch's import loads it: call this first in a
+    process kvtier owns (the CLI's serve and generate). Once torch is imported (in
+    `modules`) it would change nothing in this process, only what its children inherit,
+    so it does nothing."""
+    if "torch" in modules or any(name in environ for name in WAIT_VARIABLES):
+        return False
+    environ["OMP_WAIT_POLICY"] = KVTIER_WAIT_POLICY
+    return True
+
+
+def wait_summary(environ: MutableMapping[str, str] = os.environ) -> str:
+    """How this process's OpenMP threads wait, for the start-up log."""
+    chosen = [f"{name}={environ[name]}" for name in WAIT_VARIABLES if name in environ]
+    return f"waiting per {', '.join(chosen)}" if chosen else "waiting threads spin first (libgomp's default)"
+
+
 # ---- the plan ---------------------------------------------------------------------------------
 
 
@@ -150,7 +188,7 @@ class ThreadPlan:
 
     def summary(self) -> str:
         bound = "unbound" if self.cpus is None else f"bound to CPUs {format_cpu_list(self.cpus)}"
-        return f"{self.num_threads} intra-op threads ({self.why}), {bound}"
+        return f"{self.num_threads} intra-op threads ({self.why}), {bound}, {wait_summary()}"
 
 
 def plan_threads(bind: str, affinity: set[int], quota: float | None) -> ThreadPlan:

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.cpu_threads import cgroup_cpu_quota, one_cpu_per_core, parse_cpu_list, plan_threads
+from engine.cpu_threads import (
+    WAIT_VARIABLES,
+    cgroup_cpu_quota,
+    default_wait_policy,
+    one_cpu_per_core,
+    parse_cpu_list,
+    plan_threads,
+    wait_summary,
+)
 from tests.server.server_helpers import ServerProcess, server_flags
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -200,13 +208,53 @@ def test_auto_sizes_the_pool_from_the_affinity_mask(tiny_model_factory):
 def test_a_server_binds_its_engine_thread_and_says_so(model_path_for_server):
     server = ServerProcess(*server_flags(model_path_for_server, "--cpu-threads-bind", str(CPUS[1])))
     try:
-        assert f"threads  1 intra-op threads (--cpu-threads-bind {CPUS[1]}), bound to CPUs {CPUS[1]}" \
+        assert f"threads  1 intra-op threads (--cpu-threads-bind {CPUS[1]}), bound to CPUs {CPUS[1]}, " \
+            f"{wait_summary(os.environ) if set(WAIT_VARIABLES) & set(os.environ) else 'waiting per OMP_WAIT_POLICY=PASSIVE'}" \
             in server.output
         affinities = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{server.pid}/task")]
         assert [CPUS[1]] in affinities  # the engine thread
         assert sorted(os.sched_getaffinity(server.pid)) == CPUS  # the event loop stays free
     finally:
         assert server.stop() == 0
+
+
+# ---- how waiting threads wait ------------------------------------------------------------------
+
+
+def test_a_process_kvtier_owns_sleeps_its_waiting_threads():
+    environ: dict[str, str] = {"PATH": "/bin"}
+    assert default_wait_policy(environ, modules={})
+    assert environ == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert wait_summary(environ) == "waiting per OMP_WAIT_POLICY=PASSIVE"
+
+
+@pytest.mark.parametrize("chosen", WAIT_VARIABLES)
+def test_a_wait_setting_in_the_environment_is_kept(chosen):
+    environ = {chosen: "1000"}
+    assert not default_wait_policy(environ, modules={})
+    assert environ == {chosen: "1000"}
+    assert wait_summary(environ) == f"waiting per {chosen}=1000"
+
+
+def test_nothing_is_set_once_torch_has_loaded_libgomp():
+    environ: dict[str, str] = {}
+    assert not default_wait_policy(environ, modules={"torch": object()})
+    assert environ == {}
+    assert wait_summary(environ) == "waiting threads spin first (libgomp's default)"
+
+
+def test_the_cli_sets_the_policy_before_torch_loads_libgomp(tiny_model_factory):
+    """`kvtier generate` in a fresh process: libgomp, loaded by torch's import, reports
+    the policy it read (OMP_DISPLAY_ENV prints its settings as it starts)."""
+    code = ("import sys\nfrom engine.cli import main\n"
+            "status = main(sys.argv[1:])\nimport os\nprint('POLICY', os.environ.get('OMP_WAIT_POLICY'))\n"
+            "sys.exit(status)")
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES} | {"OMP_DISPLAY_ENV": "TRUE"}
+    done = subprocess.run([sys.executable, "-c", code, "generate", "--model", tiny_model_factory(),
+                           "--max-tokens", "1", "--prompt", "hello"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "POLICY PASSIVE" in done.stdout
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in done.stdout + done.stderr
 
 
 @pytest.fixture
