@@ -141,8 +141,9 @@ class ModelOptions(Options):
     cpu_threads_bind: Annotated[str, AfterValidator(check_bind_value)] = option(
         "auto", "The engine's intra-op (OpenMP) threads on CPU: auto, one per physical core the "
         "process may use (its affinity mask, capped by its cgroup's CPU quota: 1.5 CPUs run 1 "
-        "thread), each bound to its core unless a quota leaves fractions of CPUs; none, the same "
-        "count unbound; or a CPU list (0-3,8), one thread bound to each CPU listed.",
+        "thread), each bound to its core when the process was given part of the machine's CPUs "
+        "(a cpuset or taskset) as whole CPUs, else unbound; none, the same count unbound; or a "
+        "CPU list (0-3,8), one thread bound to each CPU listed.",
         metavar="auto|none|CPUS")
     # bounded to torch.manual_seed's range
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] = option(

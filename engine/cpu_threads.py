@@ -8,11 +8,15 @@ quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, the tightest a
 the cgroup's ancestors).
 
 Binding (`--cpu-threads-bind`): each OpenMP thread of the engine's team is pinned to
-one CPU, as vLLM's CPU worker pins its own. An unbound team migrates: when a neighbour
-takes a core, the scheduler moves threads across cores, and each move loses the
-thread's cache and delays the barrier every op ends on. `auto` binds when the process
-has whole CPUs to itself (no quota below its affinity mask), one thread per physical
-core; under a fractional quota the threads stay free to run wherever time is left.
+one CPU, as vLLM's CPU worker pins its own. That pays only on CPUs the process has to
+itself: a bound thread whose core another process is using waits there for its turn
+while another core may be idle, and every barrier of the step waits with it (beside an
+idle vLLM server, which polls, a bound engine's prefix hit took 1.1 s against 0.2 s
+unbound). So `auto` binds, one thread per physical core, only when the process was
+placed on part of the machine (an affinity mask narrower than the online CPUs: a cpuset,
+taskset, a Kubernetes pod with exclusive cores) with whole CPUs (no quota below the
+mask); on the whole machine, or under a fractional quota, the threads stay free to run
+wherever time is left.
 
 Waiting (`default_wait_policy`): a process kvtier owns (`kvtier serve`, `kvtier generate`)
 runs its OpenMP threads with OMP_WAIT_POLICY=PASSIVE unless the environment chooses. By
@@ -191,9 +195,9 @@ class ThreadPlan:
         return f"{self.num_threads} intra-op threads ({self.why}), {bound}, {wait_summary()}"
 
 
-def plan_threads(bind: str, affinity: set[int], quota: float | None) -> ThreadPlan:
+def plan_threads(bind: str, affinity: set[int], quota: float | None, online: set[int]) -> ThreadPlan:
     """The plan for `--cpu-threads-bind bind` in a process allowed on the CPUs `affinity`
-    with `quota` CPUs' worth of time (None: no quota)."""
+    of the machine's `online` CPUs, with `quota` CPUs' worth of time (None: no quota)."""
     if bind not in BIND_MODES:
         cpus = parse_cpu_list(bind)
         return ThreadPlan(len(cpus), cpus, f"--cpu-threads-bind {bind}")
@@ -201,13 +205,22 @@ def plan_threads(bind: str, affinity: set[int], quota: float | None) -> ThreadPl
     count, why = len(cores), f"{len(cores)} cores in the affinity mask ({format_cpu_list(sorted(affinity))})"
     if quota is not None and quota < count:
         count, why = max(1, math.floor(quota)), f"the cgroup's CPU quota of {quota:g} CPUs"
-    bound = bind == "auto" and count == len(cores)
+    placed = affinity < online  # someone gave the process these CPUs, out of the machine's
+    bound = bind == "auto" and placed and count == len(cores)
     return ThreadPlan(count, tuple(cores) if bound else None, why)
+
+
+def online_cpus(sysfs: Path = CPU_SYSFS) -> set[int]:
+    """The machine's online CPUs (whatever this process may use of them)."""
+    try:
+        return set(parse_cpu_list((sysfs / "online").read_text().strip()))
+    except (OSError, ValueError):
+        return set(range(os.cpu_count() or 1))
 
 
 def plan_for_this_process(bind: str) -> ThreadPlan:
     """plan_threads with this process's affinity mask and cgroup quota."""
-    return plan_threads(bind, os.sched_getaffinity(0), cgroup_cpu_quota())
+    return plan_threads(bind, os.sched_getaffinity(0), cgroup_cpu_quota(), online_cpus())
 
 
 def one_cpu_per_core(cpus: list[int], sysfs: Path = CPU_SYSFS) -> list[int]:

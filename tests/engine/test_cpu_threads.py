@@ -18,6 +18,7 @@ from engine.cpu_threads import (
     cgroup_cpu_quota,
     default_wait_policy,
     one_cpu_per_core,
+    online_cpus,
     parse_cpu_list,
     plan_threads,
     wait_summary,
@@ -99,22 +100,38 @@ def test_no_cgroup_files_means_no_quota(tmp_path):
 # ---- the plan ---------------------------------------------------------------------------------
 
 
+MACHINE = set(range(8))
+
+
 def test_a_quota_of_one_and_a_half_cpus_on_64_cores_runs_one_unbound_thread():
-    plan = plan_threads("auto", set(range(64)), 1.5)
+    plan = plan_threads("auto", set(range(64)), 1.5, set(range(64)))
     assert (plan.num_threads, plan.cpus) == (1, None)
     assert "quota of 1.5" in plan.why
 
 
-def test_auto_binds_one_thread_per_core_when_the_cpus_are_whole():
-    assert plan_threads("auto", {0, 1}, None).cpus == (0, 1)
-    assert plan_threads("auto", {2, 3, 5}, 8.0).cpus == (2, 3, 5)  # a quota above the mask: whole CPUs
-    assert plan_threads("none", {0, 1}, None).cpus is None
-    assert plan_threads("none", {0, 1}, None).num_threads == 2
+def test_auto_binds_one_thread_per_core_of_whole_cpus_the_process_was_given():
+    assert plan_threads("auto", {0, 1}, None, MACHINE).cpus == (0, 1)
+    assert plan_threads("auto", {2, 3, 5}, 8.0, MACHINE).cpus == (2, 3, 5)  # a quota above the mask: whole CPUs
+    assert plan_threads("auto", {2, 3, 5}, 2.5, MACHINE).cpus is None  # fractions of them
+    assert plan_threads("none", {0, 1}, None, MACHINE).cpus is None
+    assert plan_threads("none", {0, 1}, None, MACHINE).num_threads == 2
+
+
+def test_auto_leaves_threads_unbound_on_the_whole_machine():
+    """Other processes share every core there: a bound thread would wait for its own."""
+    plan = plan_threads("auto", MACHINE, None, MACHINE)
+    assert (plan.num_threads, plan.cpus) == (8, None)
 
 
 def test_a_cpu_list_is_one_bound_thread_per_cpu():
-    plan = plan_threads("1,3-4", set(range(8)), 1.0)
+    plan = plan_threads("1,3-4", MACHINE, 1.0, MACHINE)
     assert (plan.num_threads, plan.cpus) == (3, (1, 3, 4))
+
+
+def test_the_online_cpus_come_from_sysfs(tmp_path):
+    (tmp_path / "online").write_text("0-3,6\n")
+    assert online_cpus(tmp_path) == {0, 1, 2, 3, 6}
+    assert online_cpus(tmp_path / "missing") == set(range(os.cpu_count() or 1))
 
 
 def test_smt_siblings_count_as_one_core(tmp_path):
