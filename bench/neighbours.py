@@ -19,7 +19,7 @@ from bench.common import markdown_table, median, parse_with_smoke
 from bench.console import echo
 from bench.neighbour_load import NEIGHBOURS, neighbours
 from bench.openai_probe import stream_completion
-from bench.schedstat import tree_cpu_seconds
+from bench.schedstat import tree_cpu_seconds, wait_until_idle
 from bench.served_engines import SERVED_NAME, VLLM, add_server_args, kvtier_name, running_servers
 from bench.summary import publish, result_header
 from bench.text_corpus import token_documents
@@ -60,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                 with neighbours(neighbour_set):
                     shift = round_ % len(names)
                     for name in names[shift:] + names[:shift]:
+                        settled_s = wait_until_idle([server.pid for server in servers.values()])
                         ran, waited = tree_cpu_seconds(servers[name].pid)
                         timing = stream_completion(servers[name].url, SERVED_NAME, doc, args.decode_tokens)
                         ran_after, waited_after = tree_cpu_seconds(servers[name].pid)
                         sample = {"hit_ttft_s": timing.ttft_s, "decode_s": median(timing.inter_token_s),
                                   "ran_s": ran_after - ran, "waited_s": waited_after - waited,
-                                  "load": os.getloadavg()[0]}
+                                  "load": os.getloadavg()[0], "settled_s": settled_s}
                         samples[neighbour_set].setdefault(name, []).append(sample)
                         echo(f"round {round_}, {neighbour_set}: {name}: hit TTFT {1000 * timing.ttft_s:.0f} ms, "
                              f"decode {1000 * sample['decode_s']:.1f} ms/token (load {sample['load']:.1f})")
@@ -98,7 +99,9 @@ def render(result: dict) -> str:
                        f"{mine['decode_s'] / by_server[n]['decode_s']:.2f}" for n in others]])
     text = (f"{o['rounds']} rounds, medians; a {o['doc_tokens']}-token document read again (device prefix hit), "
             f"{o['decode_tokens']} tokens streamed; --dtype {o['dtype']}; load average "
-            f"{result['load_average_start'][0]:.1f} at the start (the neighbours add to it)\n\n"
+            f"{result['load_average_start'][0]:.1f} at the start (the neighbours add to it); before each request "
+            f"the bench waits until every server is idle (at most 15 s: one still polling after its request "
+            f"would slow the next)\n\n"
             + markdown_table(headers, rows))
     if "ran_s" in next(iter(next(iter(summary.values())).values())):
         text += ("\nWhere a request's time went (medians per request, every thread of the server's processes, "

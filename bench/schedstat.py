@@ -10,6 +10,8 @@ neighbour by about its waited time lost CPU, one slower by more lost it at barri
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -34,3 +36,20 @@ def tree_cpu_seconds(pid: int) -> tuple[float, float]:
             ran += int(fields[0])
             waited += int(fields[1])
     return ran / 1e9, waited / 1e9
+
+
+def wait_until_idle(pids: Sequence[int], busy_share: float = 0.05, window_s: float = 0.25,
+                    limit_s: float = 15.0) -> float:
+    """Wait until the servers `pids` (with their descendants) together use less than
+    `busy_share` of one CPU over `window_s`, at most `limit_s`; the seconds waited. A
+    server still polling after its request (vLLM's engine does for a while) is a
+    neighbour of the server measured next: without this, whichever follows it is slower."""
+    start = time.perf_counter()
+    before = sum(tree_cpu_seconds(pid)[0] for pid in pids)
+    while time.perf_counter() - start < limit_s:
+        time.sleep(window_s)
+        now = sum(tree_cpu_seconds(pid)[0] for pid in pids)
+        if now - before < busy_share * window_s:
+            break
+        before = now
+    return time.perf_counter() - start
