@@ -6,7 +6,8 @@ given --vllm-venv) stay up together and each first reads a --doc-tokens document
 Then, per round, each neighbour set in turn is started, every server streams the same
 document again (a device prefix hit) for --decode-tokens tokens, the order of the servers
 rotating from round to round, and the neighbours are stopped. A request's TTFT is the
-prefix hit's; the median gap between its later tokens is the batch-1 decode.
+prefix hit's; the median gap between its later tokens is the batch-1 decode, and their
+mean (TPOT, vLLM's time per output token) says whether a median hides bursts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from bench.text_corpus import token_documents
 from engine.models import load_tokenizer
 
 NAME = "neighbours"
-SUMMARIZED = ("hit_ttft_s", "decode_s", "ran_s", "waited_s")
+SUMMARIZED = ("hit_ttft_s", "decode_s", "tpot_s", "ran_s", "waited_s")
 SMOKE = {"rounds": 1, "doc_tokens": 96, "decode_tokens": 6, "max_model_len": 512, "kv_pool": "64MiB",
          "neighbour_sets": ["quiet", "busy loop"], "server_args": "--no-fuse-elementwise"}
 
@@ -65,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                         timing = stream_completion(servers[name].url, SERVED_NAME, doc, args.decode_tokens)
                         ran_after, waited_after = tree_cpu_seconds(servers[name].pid)
                         sample = {"hit_ttft_s": timing.ttft_s, "decode_s": median(timing.inter_token_s),
+                                  "tpot_s": timing.tpot_s,
                                   "ran_s": ran_after - ran, "waited_s": waited_after - waited,
                                   "load": os.getloadavg()[0], "settled_s": settled_s}
                         samples[neighbour_set].setdefault(name, []).append(sample)
                         echo(f"round {round_}, {neighbour_set}: {name}: hit TTFT {1000 * timing.ttft_s:.0f} ms, "
-                             f"decode {1000 * sample['decode_s']:.1f} ms/token (load {sample['load']:.1f})")
+                             f"decode {1000 * sample['decode_s']:.1f} ms/token, TPOT {1000 * timing.tpot_s:.1f} ms "
+                             f"(load {sample['load']:.1f})")
     result["samples"] = samples
     result["summary"] = {s: {name: {key: median([x[key] for x in runs]) for key in SUMMARIZED}
                              for name, runs in by_server.items()}
@@ -88,15 +91,18 @@ def render(result: dict) -> str:
     o, summary = result["options"], result["summary"]
     names = list(next(iter(summary.values())))
     others = baseline_names(names) if kvtier_name("auto") in names else []
+    has_tpot = "tpot_s" in next(iter(next(iter(summary.values())).values()))
     headers = ["neighbours", *[f"{n}: hit TTFT ms" for n in names], *[f"{n}: decode ms" for n in names],
-               *[f"kvtier / {n}: TTFT, decode" for n in others]]
+               *([f"{n}: TPOT ms" for n in names] if has_tpot else []),
+               *[f"kvtier / {n}: TTFT, decode{', TPOT' if has_tpot else ''}" for n in others]]
+    ratio_keys = ("hit_ttft_s", "decode_s", *(("tpot_s",) if has_tpot else ()))
     rows = []
     for neighbour_set, by_server in summary.items():
         mine = by_server.get(kvtier_name("auto"))
         rows.append([neighbour_set, *[1000 * by_server[n]["hit_ttft_s"] for n in names],
                      *[1000 * by_server[n]["decode_s"] for n in names],
-                     *[f"{mine['hit_ttft_s'] / by_server[n]['hit_ttft_s']:.2f}, "
-                       f"{mine['decode_s'] / by_server[n]['decode_s']:.2f}" for n in others]])
+                     *([1000 * by_server[n]["tpot_s"] for n in names] if has_tpot else []),
+                     *[", ".join(f"{mine[key] / by_server[n][key]:.2f}" for key in ratio_keys) for n in others]])
     text = (f"{o['rounds']} rounds, medians; a {o['doc_tokens']}-token document read again (device prefix hit), "
             f"{o['decode_tokens']} tokens streamed; --dtype {o['dtype']}; load average "
             f"{result['load_average_start'][0]:.1f} at the start (the neighbours add to it); before each request "

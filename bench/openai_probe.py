@@ -22,11 +22,17 @@ REQUEST_TIMEOUT_S = 900
 
 @dataclass
 class StreamTiming:
-    """One streamed completion: time to its first token and between the later ones."""
+    """One streamed completion: time to its first token and between the later chunks."""
 
     ttft_s: float
     inter_token_s: list[float]
-    output_tokens: int
+    output_tokens: int  # as asked: generation ignores EOS
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (vLLM's TPOT). Unlike the median
+        gap, it cannot look faster when a server delivers its tokens in bursts."""
+        return sum(self.inter_token_s) / max(1, self.output_tokens - 1)
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
@@ -52,7 +58,7 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int) 
     if not arrivals:
         raise RuntimeError(f"{url}: the stream carried no text")
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    return StreamTiming(arrivals[0] - start, gaps, len(arrivals))
+    return StreamTiming(arrivals[0] - start, gaps, max_tokens)
 
 
 def concurrent_output_rate(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int) -> float:

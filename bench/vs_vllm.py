@@ -36,6 +36,7 @@ METRICS = {
     "hit_ttft_s": ("device prefix hit, same prompt", "s", True),
     "hit_question_ttft_s": ("hit + a new {question}-token question", "s", True),
     "decode_s": ("decode at batch 1 after {doc} tokens (median inter-token)", "s", True),
+    "tpot_s": ("decode at batch 1 after {doc} tokens (mean per output token)", "s", True),
     "concurrent_tok_s": ("{concurrency} concurrent requests, {prompt} in, {out} out: output tok/s", "tok/s", False),
     "ready_s": ("ready after start", "s", True),
     "idle_rss_gb": ("idle resident memory (all processes)", "GB", True),
@@ -69,7 +70,7 @@ def run_repeat(url: str, doc: list[int], question: list[int], batch: list[list[i
     asked = stream_completion(url, SERVED_NAME, doc + question, 1)
     rate = concurrent_output_rate(url, SERVED_NAME, batch, args.output_tokens)
     return {"cold_ttft_s": cold.ttft_s, "hit_ttft_s": hit.ttft_s, "hit_question_ttft_s": asked.ttft_s,
-            "decode_s": median(hit.inter_token_s), "concurrent_tok_s": rate}
+            "decode_s": median(hit.inter_token_s), "tpot_s": hit.tpot_s, "concurrent_tok_s": rate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +130,8 @@ def render(result: dict) -> str:
         headers.append("kvtier / vLLM")
     rows = []
     for metric, (label, unit, _) in METRICS.items():
+        if any(metric not in summary[n] for n in names):  # a result from before the metric existed
+            continue
         row: list[object] = [f"{label.format(**labels)} ({unit})", *[summary[n][metric] for n in names]]
         if with_ratio:
             row.append(summary["kvtier"][metric] / summary[VLLM][metric])
@@ -146,7 +149,7 @@ def render(result: dict) -> str:
 
 def plot(result: dict) -> None:
     summary = result["summary"]
-    metrics = [m for m in METRICS if METRICS[m][1] == "s"]
+    metrics = [m for m in METRICS if METRICS[m][1] == "s" and all(m in s for s in summary.values())]
     plots.save_figure(plots.png_path(NAME), [
         plots.Panel("Latencies and start-up (median)", "", "s", metrics,
                     {name: [summary[name][m] for m in metrics] for name in summary}, kind="bar", logy=True),
