@@ -156,11 +156,11 @@ def describe(result: dict) -> str:
     return text
 
 
-# The mechanism behind the CPU-time ratios (vLLM 0.32's vllm/utils/ompmultiprocessing.py).
+# The mechanism behind the crowd row (vLLM 0.32's vllm/utils/ompmultiprocessing.py).
 WHY_VLLM_HOLDS = (
     "vLLM's CPU worker keeps one core for its API server and scheduler on x86, so on a 2-core host it runs the "
-    "model on one OpenMP thread, bound to the other core: no barrier ever waits for a team mate. kvtier runs a "
-    "team of one thread per core; every op of a step (hundreds per token) ends on a barrier, and a team mate "
-    "that a neighbour took the core from holds it while the waiting thread spins (libgomp's default spin count) "
-    "and then sleeps. The extra CPU time kvtier's threads run per request beside a neighbour is where that "
-    "shows: CPU spent waiting at barriers, on top of the runnable waits of the schedstat table.")
+    "model on one OpenMP thread, bound to the other core: no barrier ever waits for a team mate, which is why a "
+    "crowd barely moves its decode. kvtier runs a team of one thread per core; every op of a step (hundreds per "
+    "token) ends on a barrier, and beside a crowd a team mate is often waiting for a core. Its waiting threads "
+    "sleep (OMP_WAIT_POLICY=PASSIVE, kvtier serve's default), so they no longer burn the CPU the others need: "
+    "kvtier now runs less CPU per request than vLLM beside every neighbour set, but the barriers still wait.")
