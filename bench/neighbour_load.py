@@ -6,6 +6,11 @@ stopped by the bench, as other jobs share a host's cores.
   short pauses (another inference server or a training job's data workers: bursts whose
   threads spin and sleep);
 - crowd: two such torch processes and a busy loop.
+
+Each runs in a session of its own, as other jobs on a host do, and so do the servers
+under test (bench/served_engines.py): where the kernel schedules by autogroup, CPU is
+shared between sessions first, and neighbours in the bench's own session would compete
+only with a server that shares it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def neighbours(name: str) -> Iterator[list[int]]:
     """Run the neighbours `name` names (a key of NEIGHBOURS) for the block; yields their
     pids. They are killed when the block ends, however it ends."""
     processes = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for code in NEIGHBOURS[name]]
+                                  stderr=subprocess.DEVNULL, start_new_session=True) for code in NEIGHBOURS[name]]
     try:
         if processes:
             time.sleep(SETTLE_S)

@@ -90,7 +90,7 @@ def _start_kvtier(args: argparse.Namespace, model: str, bind: str) -> RunningSer
              "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_pool,
              "--cpu-threads-bind", bind, "--log-level", "warning", *shlex.split(args.server_args)]
     started = time.perf_counter()
-    process = ServerProcess(*flags)
+    process = ServerProcess(*flags, new_session=True)  # as vLLM's (bench/vllm_server.py)
     ready_s = time.perf_counter() - started
     return RunningServer(kvtier_name(bind), process.url, process.pid, ready_s, process.stop)
 

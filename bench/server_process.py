@@ -22,19 +22,24 @@ class ServerProcess:
     """`python -m engine.cli serve ...` with --port 0; the URL comes from its startup summary.
 
     `command` replaces `python -m engine.cli serve` by another entry point taking the same
-    flags (the reliability tests' poisoned server), `env` the environment it runs in."""
+    flags (the reliability tests' poisoned server), `env` the environment it runs in.
+    `new_session`: run it in a session of its own, as a separate service runs. Where the
+    kernel schedules by autogroup (`/proc/sys/kernel/sched_autogroup_enabled`), CPU is
+    shared between sessions first: a server in its starter's session shares one
+    session's share with every other process started there."""
 
     def __init__(
         self,
         *flags: str,
         command: Sequence[str] = (sys.executable, "-m", "engine.cli", "serve"),
         env: dict[str, str] | None = None,
+        new_session: bool = False,
     ) -> None:
         self.flags = flags
         env = env if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [*command, "--port", "0", *flags], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
+            stderr=subprocess.STDOUT, text=True, start_new_session=new_session,
         )
         self.lines: list[str] = []
         self._url_seen = threading.Event()
