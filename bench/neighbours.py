@@ -91,7 +91,8 @@ def render(result: dict) -> str:
     o, summary = result["options"], result["summary"]
     names = list(next(iter(summary.values())))
     others = baseline_names(names) if kvtier_name("auto") in names else []
-    has_tpot = "tpot_s" in next(iter(next(iter(summary.values())).values()))
+    measured = next(iter(next(iter(summary.values())).values()))  # one server's summary: which keys exist
+    has_tpot = "tpot_s" in measured
     headers = ["neighbours", *[f"{n}: hit TTFT ms" for n in names], *[f"{n}: decode ms" for n in names],
                *([f"{n}: TPOT ms" for n in names] if has_tpot else []),
                *[f"kvtier / {n}: TTFT, decode{', TPOT' if has_tpot else ''}" for n in others]]
@@ -109,7 +110,7 @@ def render(result: dict) -> str:
             f"the bench waits until every server is idle (at most 15 s: one still polling after its request "
             f"would slow the next)\n\n"
             + markdown_table(headers, rows))
-    if "ran_s" in next(iter(next(iter(summary.values())).values())):
+    if "ran_s" in measured:
         text += ("\nWhere a request's time went (medians per request, every thread of the server's processes, "
                  "from /proc/PID/task/*/schedstat): CPU seconds run, and seconds waited runnable while another "
                  "process had the CPU\n\n")

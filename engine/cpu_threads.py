@@ -10,9 +10,8 @@ the cgroup's ancestors).
 Binding (`--cpu-threads-bind`): each OpenMP thread of the engine's team is pinned to
 one CPU, as vLLM's CPU worker pins its own. That pays only on CPUs the process has to
 itself: a bound thread whose core another process is using waits there for its turn
-while another core may be idle, and every barrier of the step waits with it (beside an
-idle vLLM server, which polls, a bound engine's prefix hit took 1.1 s against 0.2 s
-unbound). So `auto` binds, one thread per physical core, only when the process was
+while another core may be idle, and every barrier of the step waits with it (another
+server that polls while idle is enough). So `auto` binds, one thread per physical core, only when the process was
 placed on part of the machine (an affinity mask narrower than the online CPUs: a cpuset,
 taskset, a Kubernetes pod with exclusive cores) with whole CPUs (no quota below the
 mask); on the whole machine, or under a fractional quota, the threads stay free to run
@@ -25,8 +24,8 @@ its own a spinning thread costs nothing; beside other busy processes it burns th
 slices the thread it waits for needs, and a thread that never sleeps loses the wake-up
 preference the scheduler gives sleepers, so every barrier of a decode step waits out
 other processes' slices. A sleeping waiter pays a futex wake per parallel region
-instead, a few percent of a quiet decode step. The measurements are in
-docs/notes/openmp-wait-policy.md.
+instead, which a quiet decode step feels. The measurements are in
+docs/notes/openmp-wait-policy.md and docs/BENCHMARKS.md (neighbours).
 """
 
 from __future__ import annotations
