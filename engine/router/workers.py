@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.router.event_stream import EventStream
 from engine.router.fleet_index import FleetIndex
+from engine.router.upstream import Upstream, UpstreamError
 from engine.server.instance_info import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -39,18 +39,21 @@ class Worker:
     kv_usage: float = 0.0
     refused: str | None = None  # why it answers but stays out of the pool (logged once)
     stream: EventStream | None = field(default=None, repr=False)
+    upstream: Upstream = field(init=False, repr=False)  # the connections to it
+
+    def __post_init__(self) -> None:
+        self.upstream = Upstream(self.url)
 
 
 class WorkerPool:
     def __init__(
-        self, urls: Sequence[str], index: FleetIndex, client: httpx.AsyncClient,
+        self, urls: Sequence[str], index: FleetIndex,
         on_join: Callable[[InstanceInfo], object] = lambda info: None,
         refuse: Callable[[str, InstanceInfo], Exception | None] = lambda url, info: None,
     ) -> None:
         """`refuse(url, info)`: why an answering instance must stay out of the pool, or None."""
         self.workers = [Worker(url) for url in urls]
         self._index = index
-        self._client = client
         self._on_join = on_join
         self._refuse = refuse
 
@@ -67,12 +70,13 @@ class WorkerPool:
 
     async def check(self, worker: Worker) -> None:
         try:
-            health = await self._client.get(f"{worker.url}/health", timeout=CHECK_TIMEOUT_S)
-            health.raise_for_status()
-            info = InstanceInfo.model_validate_json(
-                (await self._client.get(f"{worker.url}/instance", timeout=CHECK_TIMEOUT_S)).content)
-            metrics = await self._client.get(f"{worker.url}/metrics", timeout=CHECK_TIMEOUT_S)
-        except (httpx.HTTPError, ValidationError) as exc:
+            async with asyncio.timeout(CHECK_TIMEOUT_S):
+                status, _ = await worker.upstream.get("/health")
+                if status >= 400:
+                    raise UpstreamError(f"/health answered {status}")
+                info = InstanceInfo.model_validate_json((await worker.upstream.get("/instance"))[1])
+                metrics = (await worker.upstream.get("/metrics"))[1].decode("utf-8", "replace")
+        except (UpstreamError, TimeoutError, ValidationError) as exc:
             if worker.healthy:
                 log.warning("router: %s leaves the pool (%s)", worker.url, exc)
             self.leave(worker)
@@ -88,11 +92,20 @@ class WorkerPool:
         stream_failed = worker.stream is not None and not worker.stream.alive
         if worker.info is None or info.instance_id != worker.info.instance_id or stream_failed:
             await self._join(worker, info)
-        self._read_load(worker, metrics.text)
+        self._read_load(worker, metrics)
         worker.healthy = True
 
     def leave(self, worker: Worker) -> None:
         """Out of the pool until a check finds it answering again."""
+        self._forget(worker)
+        worker.upstream.close()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            self.leave(worker)
+
+    def _forget(self, worker: Worker) -> None:
+        """Nothing known of the instance (its connections stay open)."""
         worker.healthy = False
         worker.info = None
         if worker.stream is not None:
@@ -100,12 +113,8 @@ class WorkerPool:
             worker.stream = None
         self._index.leave(worker.url)
 
-    def close(self) -> None:
-        for worker in self.workers:
-            self.leave(worker)
-
     async def _join(self, worker: Worker, info: InstanceInfo) -> None:
-        self.leave(worker)
+        self._forget(worker)
         await asyncio.to_thread(self._on_join, info)  # builds the fingerprint's namer once
         self._index.join(worker.url, info.shared_store)
         if info.kv_events is not None:
