@@ -37,8 +37,9 @@ from safetensors.torch import save_file
 
 from engine.cache_home import kvtier_cache_dir
 from engine.config import BUILTIN_PREFIX, missing_model_message
+from engine.model_files import is_gguf
 from engine.models.args import ModelLoadError
-from engine.models.gguf import GGUFCheckpoint, is_gguf, load_gguf_tokenizer
+from engine.models.gguf import GGUFCheckpoint, load_gguf_tokenizer
 
 DEFAULT_MODEL = "builtin:smollm2"
 

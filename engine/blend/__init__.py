@@ -16,7 +16,10 @@ stored KV and the question.
 - `blender.py`: the engine side: segment prefills, admission, handoff, counters.
 """
 
-from engine.blend.blender import Blender
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from engine.blend.segments import (
     SegmentedTokens,
     Segments,
@@ -25,4 +28,17 @@ from engine.blend.segments import (
     tokenize_segments,
 )
 
+if TYPE_CHECKING:
+    from engine.blend.blender import Blender
+
 __all__ = ["Blender", "SegmentedTokens", "Segments", "SegmentsError", "split_text", "tokenize_segments"]
+
+
+def __getattr__(name: str) -> object:
+    """`Blender` (torch) is imported when first asked for: segments alone are torch-free,
+    and what only parses or tokenizes prompts (`kvtier router`) never loads torch."""
+    if name == "Blender":
+        from engine.blend.blender import Blender
+
+        return Blender
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,8 +24,6 @@ import torch
 
 from engine.models.args import ModelLoadError, UnsupportedArchitectureError
 
-GGUF_SUFFIX = ".gguf"
-
 # general.architecture -> (architecture name as in config.json, model_type)
 # (llama.cpp's converter writes Mistral models as "llama": the same computation)
 GGUF_ARCHITECTURES = {
@@ -137,10 +135,6 @@ def _short(value: Any, limit: int = 60) -> str:
     """`value` for a one-line message: its repr (newlines escaped), cut at `limit`."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def is_gguf(path: str | os.PathLike[str]) -> bool:
-    return os.fspath(path).lower().endswith(GGUF_SUFFIX) and os.path.isfile(path)
 
 
 @dataclass(frozen=True)

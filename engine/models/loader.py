@@ -17,10 +17,11 @@ import torch
 import xxhash
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
+from engine.model_files import is_gguf
 from engine.models.args import ModelArgs, ModelLoadError, architecture_of, args_from_config
-from engine.models.gguf import GGUFCheckpoint, is_gguf, load_gguf_tokenizer
+from engine.models.gguf import GGUFCheckpoint
 from engine.models.layers import Linear
 from engine.models.llama import CausalLM
 from engine.models.spec import ModelSpec, config_dtype_name, eos_token_ids, read_json, resolve_dtype
@@ -75,16 +76,6 @@ def _model_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) ->
         logger.info("--dtype auto: float32 rather than the declared %s, which this CPU has no native "
                     "matmuls for (--dtype %s forces it)", name, name)
     return resolved
-
-
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
-    """The tokenizer of `tokenizer_path` if given, else the model's own (a GGUF file
-    carries its tokenizer in its metadata)."""
-    if tokenizer_path is None and is_gguf(model_path):
-        return load_gguf_tokenizer(model_path)
-    if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
-        raise ModelLoadError(f"--tokenizer {tokenizer_path}: no such directory (this machine cannot download)")
-    return AutoTokenizer.from_pretrained(tokenizer_path or model_path)
 
 
 def tokenizer_digest(tokenizer: Any) -> str:

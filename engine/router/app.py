@@ -16,6 +16,7 @@ import contextlib
 import gc
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,9 +34,9 @@ from engine.router.policies import Policies
 from engine.router.roles import check_roles, role_conflict
 from engine.router.upstream import Answer, UpstreamError
 from engine.router.workers import Worker, WorkerPool
-from engine.server.api_server import bind_socket
 from engine.server.errors import SERVER_ERROR, APIError, install_error_handlers
 from engine.server.instance_info import InstanceInfo
+from engine.server.listen import bind_socket
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +58,20 @@ class Router:
         self.config = config
         self.index = FleetIndex()
         self.namers: dict[str, RequestNamer] = {}
+        self._namer_lock = threading.Lock()
         self.pool = WorkerPool(config.all_urls, self.index, self._add_namer,
                                lambda url, info: role_conflict(config, url, info))
         self.policies = Policies(self.index)
         self.metrics = RouterMetrics(lambda: self.pool.workers, self.index)
 
     def _add_namer(self, info: InstanceInfo) -> None:
-        if info.fingerprint not in self.namers:
-            self.namers[info.fingerprint] = RequestNamer(info)
-            gc.freeze()  # its tokenizer is here to stay (see _freeze_heap)
+        """Called from worker threads, for instances joining at once: one at a time
+        builds a fingerprint's namer, once (transformers' lazy modules, first imported
+        by two threads at once, can fail)."""
+        with self._namer_lock:
+            if info.fingerprint not in self.namers:
+                self.namers[info.fingerprint] = RequestNamer(info)
+                gc.freeze()  # its tokenizer is here to stay (see _freeze_heap)
 
     async def rank(
         self, path: str, body: Any, session: str | None, urls: Collection[str]

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from engine.hashing import BlockHasher
 from engine.kv_events.schema import external_hash
-from engine.models import load_tokenizer
+from engine.model_files import load_tokenizer
 from engine.server.errors import APIError
 from engine.server.instance_info import InstanceInfo
 from engine.server.prompts import PromptTokenizer

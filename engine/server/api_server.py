@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -18,12 +17,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import disable_created_metrics
 
 from engine import __version__
-from engine.config import ConfigError, EngineConfig, ServerConfig, redact_url, resident_memory
+from engine.config import EngineConfig, ServerConfig, redact_url, resident_memory
 from engine.server import admin, tokenize_api
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.instance_info import InstanceInfo
+from engine.server.listen import bind_socket
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.request_body import json_body
@@ -222,24 +222,6 @@ def serve(config: EngineConfig, settings: ServerConfig, on_ready: Callable[[], N
     ), stopper)
     server.run(sockets=[sock])
     return 0
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind now, so a busy port fails before the model loads (uvicorn listens on it later).
-
-    The protocol is named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
-    connections whose socket says IPPROTO_TCP, and accepted connections inherit the
-    listener's 0. With Nagle on, a response's body waits behind its headers for the
-    client's delayed ACK, about 40 ms on Linux, on every request."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError("port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
 
 
 def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str, ...], url: str) -> str:
