@@ -21,6 +21,7 @@ import kvkernels
 from engine.blend import Blender, SegmentedTokens, Segments, split_text, tokenize_segments
 from engine.builtin_models import resolve_model
 from engine.config import ConfigError, EngineConfig, host_memory, resident_memory
+from engine.cpu_seat import SeatKeeper, wants_seat_keeper
 from engine.cpu_threads import bind_threads, plan_for_this_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher, ModelFingerprint
@@ -127,14 +128,20 @@ class LLMEngine:
             self.connector.close()
             raise
         warn_if_shared_without_secret(self.config)
+        self.seat_keeper: SeatKeeper | None = None
         if self.thread_plan is not None:
-            bind_threads(self.thread_plan)
-            logger.info("%s", self.thread_plan.summary())
+            plan = self.thread_plan
+            if wants_seat_keeper(config.cpu_seat_keeper, plan.num_threads, bound=plan.cpus is not None):
+                self.seat_keeper = SeatKeeper()  # before binding: a child inherits its parent thread's CPUs
+            bind_threads(plan)
+            logger.info("%s%s", plan.summary(), ", seat keeper on" if self.seat_keeper else "")
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         try:
             self.kv_events = start_kv_events(config.kv_events_config, config.block_size)
         except KVEventsEndpointError as exc:
             self.connector.close()
+            if self.seat_keeper is not None:
+                self.seat_keeper.close()
             raise ConfigError("kv_events_config", str(exc)) from None
         if self.kv_events is not None:
             self.kv_cache_manager.block_pool.listener = self.kv_events.device
@@ -225,6 +232,7 @@ class LLMEngine:
         self.scheduler.abort_requests(ids)
         for rid in ids:
             self._forget(rid)
+        self._hold_seat()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.blender.has_waiting()
@@ -274,6 +282,18 @@ class LLMEngine:
         """Schedule, run the model once, and report every request that changed. A request
         that makes the step raise fails alone (finish reason "error"); see `_isolate`.
         Blended prefills run first, so their requests take part in this step."""
+        self._hold_seat()
+        try:
+            return self._step()
+        finally:
+            self._hold_seat()
+
+    def _hold_seat(self) -> None:
+        """The seat keeper holds the CPU share while any request is unfinished."""
+        if self.seat_keeper is not None:
+            self.seat_keeper.hold(self.has_unfinished_requests())
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._make_output(self._tracked[r.request_id], "", []) for r in self.blender.step()]  # failed
         out = self.scheduler.schedule()
         if not out.requests:
@@ -538,6 +558,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Close the KV store: pending saves are written out (bounded wait); then the KV
         events publisher, after the last events."""
+        if self.seat_keeper is not None:
+            self.seat_keeper.close()
         self.connector.close()
         if self.kv_events is not None:
             self.kv_events.close()

@@ -232,7 +232,8 @@ def startup_summary(engine: LLMEngine, settings: ServerConfig, names: tuple[str,
         f"  model    {engine.model_path} ({spec.architecture}, {spec.num_layers} layers, "
         f"vocab {spec.vocab_size}) served as {', '.join(names)}",
         f"  dtype    {str(engine.dtype).removeprefix('torch.')} on {engine.device}",
-        *([f"  threads  {engine.thread_plan.summary()}"] if engine.thread_plan is not None else []),
+        *([f"  threads  {engine.thread_plan.summary()}{', seat keeper on' if engine.seat_keeper else ''}"]
+          if engine.thread_plan is not None else []),
         f"  KV pool  {engine.num_kv_blocks} blocks x {config.block_size} tokens = {pool_tokens} tokens "
         f"({format_bytes(engine.num_kv_blocks * engine.block_bytes)}), max model len {config.max_model_len}",
         f"  offload  {_offload_summary(config)}",
