@@ -1,8 +1,8 @@
 """Batch-1 decode and prefix-hit TTFT beside neighbours that take CPU (bench/neighbour_load.py:
 none, a busy loop, another torch process, a crowd of three).
 
-The servers (kvtier with each --cpu-threads-bind of --kvtier-binds, and vLLM's CPU build
-given --vllm-venv) stay up together and each first reads a --doc-tokens document once.
+The servers (kvtier in each of --kvtier-variants: by default as it starts and without its
+seat keeper; and vLLM's CPU build given --vllm-venv) stay up together and each first reads a --doc-tokens document once.
 Then, per round, each neighbour set in turn is started, every server streams the same
 document again (a device prefix hit) for --decode-tokens tokens, the order of the servers
 rotating from round to round, and the neighbours are stopped. A request's TTFT is the
@@ -21,7 +21,7 @@ from bench.console import echo
 from bench.neighbour_load import NEIGHBOURS, neighbours
 from bench.openai_probe import stream_completion
 from bench.schedstat import tree_cpu_seconds, wait_until_idle
-from bench.served_engines import SERVED_NAME, VLLM, add_server_args, kvtier_name, running_servers
+from bench.served_engines import KVTIER, SERVED_NAME, VLLM, add_server_args, running_servers
 from bench.summary import publish, result_header
 from bench.text_corpus import token_documents
 from engine.models import load_tokenizer
@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"kvtier bench {NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(p)
-    p.set_defaults(kvtier_binds=["auto", "none"])
+    p.set_defaults(kvtier_variants=["", "--no-cpu-seat-keeper"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def baseline_names(names: list[str]) -> list[str]:
-    """The servers kvtier's default is compared with: its unbound variant first, then vLLM."""
-    return [n for n in names if n != kvtier_name("auto")]
+    """The servers kvtier's default is compared with: its variants first, then vLLM."""
+    return [n for n in names if n != KVTIER]
 
 
 def render(result: dict) -> str:
     o, summary = result["options"], result["summary"]
     names = list(next(iter(summary.values())))
-    others = baseline_names(names) if kvtier_name("auto") in names else []
+    others = baseline_names(names) if KVTIER in names else []
     measured = next(iter(next(iter(summary.values())).values()))  # one server's summary: which keys exist
     has_tpot = "tpot_s" in measured
     headers = ["neighbours", *[f"{n}: hit TTFT ms" for n in names], *[f"{n}: decode ms" for n in names],
@@ -99,7 +99,7 @@ def render(result: dict) -> str:
     ratio_keys = ("hit_ttft_s", "decode_s", *(("tpot_s",) if has_tpot else ()))
     rows = []
     for neighbour_set, by_server in summary.items():
-        mine = by_server.get(kvtier_name("auto"))
+        mine = by_server.get(KVTIER)
         rows.append([neighbour_set, *[1000 * by_server[n]["hit_ttft_s"] for n in names],
                      *[1000 * by_server[n]["decode_s"] for n in names],
                      *([1000 * by_server[n]["tpot_s"] for n in names] if has_tpot else []),
@@ -138,7 +138,7 @@ def describe(result: dict) -> str:
     summary = result["summary"]
     parts = []
     for neighbour_set, by_server in summary.items():
-        mine = by_server.get(kvtier_name("auto"))
+        mine = by_server.get(KVTIER)
         if mine is None:
             continue
         for other in baseline_names(list(by_server)):
@@ -150,7 +150,7 @@ def describe(result: dict) -> str:
             parts.append(part)
     if not parts:
         return "Only one server ran: no comparison."
-    text = ("kvtier with its default binding, as a ratio of each other server's median (below 1: kvtier faster): "
+    text = ("kvtier with its defaults, as a ratio of each other server's median (below 1: kvtier faster): "
             + "; ".join(parts) + ".")
     if any(VLLM in by_server for by_server in summary.values()):
         text += " " + WHY_VLLM_HOLDS

@@ -1,5 +1,5 @@
 """The servers the engine-against-engine workloads compare (vs-vllm, neighbours): `kvtier
-serve` in one or more --cpu-threads-bind variants and, given a venv, vLLM's CPU build,
+serve` in one or more variants (extra flags each) and, given a venv, vLLM's CPU build,
 all on one checkpoint directory with the same pool, context and step budget, up at the
 same time so that requests can alternate between them."""
 
@@ -24,8 +24,12 @@ SERVED_NAME = "bench"
 VLLM = "vLLM"
 
 
-def kvtier_name(bind: str) -> str:
-    return "kvtier" if bind == "auto" else f"kvtier --cpu-threads-bind {bind}"
+KVTIER = "kvtier"  # the server with kvtier's defaults
+
+
+def kvtier_name(variant: str) -> str:
+    """A kvtier server's name: `kvtier` and the flags of its variant."""
+    return f"{KVTIER} {variant}".strip()
 
 
 @dataclass
@@ -52,9 +56,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kvtier-binds", nargs="+", default=["auto"], metavar="BIND",
-                        help="The kvtier servers: one per --cpu-threads-bind value (default: auto).")
-    parser.add_argument("--server-args", default="", help="More `kvtier serve` flags (one string).")
+    parser.add_argument("--kvtier-variants", nargs="+", default=[""], metavar="FLAGS",
+                        help="The kvtier servers: one per value, each value the `kvtier serve` flags that "
+                        "server adds to the others' (one string; \"\" for the defaults).")
+    parser.add_argument("--server-args", default="", help="More `kvtier serve` flags for every kvtier server "
+                        "(one string).")
 
 
 def checkpoint_dir(args: argparse.Namespace) -> str:
@@ -71,8 +77,8 @@ def running_servers(args: argparse.Namespace) -> Iterator[dict[str, RunningServe
     model = checkpoint_dir(args)
     servers: dict[str, RunningServer] = {}
     try:
-        for bind in args.kvtier_binds:
-            servers[kvtier_name(bind)] = _start_kvtier(args, model, bind)
+        for variant in args.kvtier_variants:
+            servers[kvtier_name(variant)] = _start_kvtier(args, model, variant)
         if args.vllm_venv:
             vllm_python(args.vllm_venv)  # its error names the flag before a long start
             servers[VLLM] = _start_vllm(args, model)
@@ -84,15 +90,15 @@ def running_servers(args: argparse.Namespace) -> Iterator[dict[str, RunningServe
             server.stop()
 
 
-def _start_kvtier(args: argparse.Namespace, model: str, bind: str) -> RunningServer:
+def _start_kvtier(args: argparse.Namespace, model: str, variant: str) -> RunningServer:
     flags = ["--model", model, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
              "--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_pool,
-             "--cpu-threads-bind", bind, "--log-level", "warning", *shlex.split(args.server_args)]
+             "--log-level", "warning", *shlex.split(args.server_args), *shlex.split(variant)]
     started = time.perf_counter()
     process = ServerProcess(*flags, new_session=True)  # as vLLM's (bench/vllm_server.py)
     ready_s = time.perf_counter() - started
-    return RunningServer(kvtier_name(bind), process.url, process.pid, ready_s, process.stop)
+    return RunningServer(kvtier_name(variant), process.url, process.pid, ready_s, process.stop)
 
 
 def _start_vllm(args: argparse.Namespace, model: str) -> RunningServer:
