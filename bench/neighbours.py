@@ -157,11 +157,11 @@ def describe(result: dict) -> str:
     return text
 
 
-# The mechanism behind the crowd row (vLLM 0.32's vllm/utils/ompmultiprocessing.py).
+# What the ran/waited table shows (docs/notes/cpu-seat-keeper.md).
 WHY_VLLM_HOLDS = (
-    "vLLM's CPU worker keeps one core for its API server and scheduler on x86, so on a 2-core host it runs the "
-    "model on one OpenMP thread, bound to the other core: no barrier ever waits for a team mate, which is why a "
-    "crowd barely moves its decode. kvtier runs a team of one thread per core; every op of a step (hundreds per "
-    "token) ends on a barrier, and beside a crowd a team mate is often waiting for a core. Its waiting threads "
-    "sleep (OMP_WAIT_POLICY=PASSIVE, kvtier serve's default), so they no longer burn the CPU the others need: "
-    "kvtier now runs less CPU per request than vLLM beside every neighbour set, but the barriers still wait.")
+    "Where the kernel shares CPU between sessions first (autogroup; cgroups between containers), a server gets "
+    "its share only while one of its threads is runnable. vLLM's worker never sleeps mid-step and its engine core "
+    "and API server poll, so its session stays queued. kvtier's OpenMP team waits passively: its threads sleep at "
+    "each of the few hundred barriers of a decode step, and without the seat keeper (--no-cpu-seat-keeper) its "
+    "session leaves the run queue each time and waits out the neighbours' slices on waking. The keeper, a child "
+    "process that yields the CPU while requests run, keeps the session queued.")
