@@ -23,7 +23,7 @@ from engine.cpu_threads import (
     plan_threads,
     wait_summary,
 )
-from tests.server.server_helpers import ServerProcess, server_flags
+from tests.server.server_helpers import EAGER_OPS, ServerProcess, server_flags
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="binding two threads needs two CPUs")
@@ -268,7 +268,7 @@ def test_the_cli_sets_the_policy_before_torch_loads_libgomp(tiny_model_factory):
             "sys.exit(status)")
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES} | {"OMP_DISPLAY_ENV": "TRUE"}
     done = subprocess.run([sys.executable, "-c", code, "generate", "--model", tiny_model_factory(),
-                           "--max-tokens", "1", "--prompt", "hello"], env=env, capture_output=True, text=True, timeout=300)
+                           "--max-tokens", "1", "--prompt", "hello", EAGER_OPS], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "POLICY PASSIVE" in done.stdout
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in done.stdout + done.stderr
