@@ -27,9 +27,12 @@ import subprocess
 import sys
 
 # The child: yield while the last byte read from the pipe is b"1", block on the pipe
-# while it is b"0", exit at end of file (the engine closed it, or its process died).
+# while it is b"0", exit at end of file (the engine closed it, or its process died). A
+# Ctrl-C reaches the terminal's whole process group: the server handles it, and the
+# keeper ends with the server instead of printing a KeyboardInterrupt of its own.
 _KEEPER = """
-import os, select, sys
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 fd = int(sys.argv[1])
 holding = False
 while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +33,13 @@ def gone(pid: int) -> bool:
         return True
 
 
+def started(pid: int) -> bool:
+    """The keeper is past its interpreter's start-up: it ignores SIGINT, its loop's first line."""
+    with open(f"/proc/{pid}/status") as status:
+        ignored = next(line for line in status if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
 def wait_for(condition, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -56,6 +64,7 @@ def test_the_keeper_runs_only_while_it_holds():
     keeper = SeatKeeper()
     try:
         assert os.getsid(keeper.pid) == os.getsid(0)  # in the engine's session: its scheduling group
+        assert wait_for(lambda: started(keeper.pid))
         before = cpu_ticks(keeper.pid)
         time.sleep(0.5)
         assert cpu_ticks(keeper.pid) - before <= 1  # blocked on its pipe (a tick: start-up)
@@ -75,6 +84,18 @@ def test_the_keeper_runs_only_while_it_holds():
     assert keeper.process.returncode == 0
     keeper.close()  # twice is harmless
     keeper.hold(True)  # and a closed keeper holds nothing
+
+
+def test_a_ctrl_c_to_the_process_group_leaves_the_keeper_to_end_with_its_engine():
+    keeper = SeatKeeper()
+    try:
+        assert wait_for(lambda: started(keeper.pid))
+        os.kill(keeper.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert keeper.process.poll() is None
+    finally:
+        keeper.close()
+    assert keeper.process.returncode == 0  # ended by its pipe, not by the signal
 
 
 _DYING_ENGINE = """
