@@ -146,7 +146,8 @@ class ModelOptions(Options):
         "CPU list (0-3,8), one thread bound to each CPU listed.",
         metavar="auto|none|CPUS")
     cpu_seat_keeper: bool = option(
-        True, "On CPU, beside an unbound intra-op team of two or more threads, run a child process "
+        True, "On CPU, beside an unbound intra-op team of two or more threads and without a cgroup CPU "
+        "quota, run a child process "
         "that yields the CPU in a loop while requests run, so that the server keeps its share of the "
         "CPUs beside other busy processes instead of waiting out their time slices at each OpenMP "
         "barrier (engine/cpu_seat.py); it takes the spare time of one CPU while requests run. Applies "

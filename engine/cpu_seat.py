@@ -16,8 +16,10 @@ the spare time of one CPU while requests run, time the group's share entitles it
 and nothing while the engine is idle (it blocks on a pipe). vLLM's CPU build keeps its
 place the same way, with engine-core and worker processes that poll while a step runs.
 
-It runs only beside an unbound team of two or more threads: one thread computing alone
-never sleeps mid-step, and a team bound to CPUs of its own has no one to lose them to.
+It runs only beside an unbound team of two or more threads, in a process without a CPU
+quota: one thread computing alone never sleeps mid-step, a team bound to CPUs of its own
+has no one to lose them to, and under a quota (a container's `cpu.max`) every yield
+would spend time the team then misses when the quota throttles the group.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ while True:
 """
 
 
-def wants_seat_keeper(enabled: bool, num_threads: int, bound: bool) -> bool:
+def wants_seat_keeper(enabled: bool, num_threads: int, bound: bool, cpu_quota: float | None) -> bool:
     """Whether an engine with this thread plan runs a seat keeper (see the module's why)."""
-    return enabled and num_threads >= 2 and not bound
+    return enabled and num_threads >= 2 and not bound and cpu_quota is None
 
 
 class SeatKeeper:

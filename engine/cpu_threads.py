@@ -183,11 +183,13 @@ def wait_summary(environ: MutableMapping[str, str] = os.environ) -> str:
 @dataclasses.dataclass(frozen=True)
 class ThreadPlan:
     """The engine's intra-op threads: how many, and the CPU of each (thread i on cpus[i];
-    None: unbound). `why` says how the count was reached, for the start-up log."""
+    None: unbound). `why` says how the count was reached, for the start-up log;
+    `cpu_quota`, the cgroup's CPU quota it was planned under (None: none)."""
 
     num_threads: int
     cpus: tuple[int, ...] | None
     why: str
+    cpu_quota: float | None = None
 
     def summary(self) -> str:
         bound = "unbound" if self.cpus is None else f"bound to CPUs {format_cpu_list(self.cpus)}"
@@ -199,14 +201,14 @@ def plan_threads(bind: str, affinity: set[int], quota: float | None, online: set
     of the machine's `online` CPUs, with `quota` CPUs' worth of time (None: no quota)."""
     if bind not in BIND_MODES:
         cpus = parse_cpu_list(bind)
-        return ThreadPlan(len(cpus), cpus, f"--cpu-threads-bind {bind}")
+        return ThreadPlan(len(cpus), cpus, f"--cpu-threads-bind {bind}", quota)
     cores = one_cpu_per_core(sorted(affinity))
     count, why = len(cores), f"{len(cores)} cores in the affinity mask ({format_cpu_list(sorted(affinity))})"
     if quota is not None and quota < count:
         count, why = max(1, math.floor(quota)), f"the cgroup's CPU quota of {quota:g} CPUs"
     placed = affinity < online  # someone gave the process these CPUs, out of the machine's
     bound = bind == "auto" and placed and count == len(cores)
-    return ThreadPlan(count, tuple(cores) if bound else None, why)
+    return ThreadPlan(count, tuple(cores) if bound else None, why, quota)
 
 
 def online_cpus(sysfs: Path = CPU_SYSFS) -> set[int]:

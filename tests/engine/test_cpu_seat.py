@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine.cpu_seat import SeatKeeper, wants_seat_keeper
+from engine.cpu_threads import plan_threads
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="a team of two threads needs two CPUs")
@@ -49,15 +50,16 @@ def wait_for(condition, timeout_s: float = 60.0) -> bool:
     return condition()
 
 
-@pytest.mark.parametrize(("enabled", "threads", "bound", "expected"), [
-    (True, 2, False, True),
-    (True, 16, False, True),
-    (False, 2, False, False),  # --no-cpu-seat-keeper
-    (True, 1, False, False),  # one thread computing alone never sleeps mid-step
-    (True, 2, True, False),  # threads bound to CPUs of their own
+@pytest.mark.parametrize(("enabled", "threads", "bound", "quota", "expected"), [
+    (True, 2, False, None, True),
+    (True, 16, False, None, True),
+    (False, 2, False, None, False),  # --no-cpu-seat-keeper
+    (True, 1, False, None, False),  # one thread computing alone never sleeps mid-step
+    (True, 2, True, None, False),  # threads bound to CPUs of their own
+    (True, 2, False, 2.5, False),  # a yield would spend the container's quota
 ])
-def test_which_plans_get_a_keeper(enabled, threads, bound, expected):
-    assert wants_seat_keeper(enabled, threads, bound) is expected
+def test_which_plans_get_a_keeper(enabled, threads, bound, quota, expected):
+    assert wants_seat_keeper(enabled, threads, bound, quota) is expected
 
 
 def test_the_keeper_runs_only_while_it_holds():
@@ -155,3 +157,9 @@ def test_only_an_unbound_team_holds_its_seat_and_only_while_requests_run(tiny_mo
     assert unbound["held_while_running"] and all(unbound["held_while_running"])
     assert not unbound["held_after"]  # the request finished: the keeper blocks again
     assert wait_for(lambda: gone(unbound["pid"]))  # shut down with its engine
+
+
+def test_a_thread_plan_carries_the_quota_the_keeper_asks_about():
+    machine = set(range(8))
+    assert plan_threads("auto", machine, 3.0, machine).cpu_quota == 3.0
+    assert plan_threads("none", machine, None, machine).cpu_quota is None
