@@ -119,13 +119,17 @@ def longest_prompt(args: argparse.Namespace) -> int:
 
 @contextmanager
 def fleet(args: argparse.Namespace, model: str, tiers: str, redis_url: str) -> Iterator[list[ServerProcess]]:
+    """The instances, started side by side (a start is mostly one thread importing and
+    loading, so the starts overlap on the other cores); every one that started is stopped
+    at the end, also when another one's start failed."""
     with ExitStack() as stack:
-        servers = []
-        for i in range(args.instances):
-            server = ServerProcess(*instance_flags(args, model, tiers, redis_url, i))
-            stack.callback(server.stop)
-            servers.append(server)
-        yield servers
+        with ThreadPoolExecutor(args.instances) as pool:
+            starts = [pool.submit(ServerProcess, *instance_flags(args, model, tiers, redis_url, i))
+                      for i in range(args.instances)]
+        for start in starts:
+            if start.exception() is None:
+                stack.callback(start.result().stop)
+        yield [start.result() for start in starts]  # a failed start raises here
 
 
 @contextmanager
