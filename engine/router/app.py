@@ -1,5 +1,6 @@
-"""`kvtier router`: the OpenAI-compatible front (FastAPI + uvicorn, like `kvtier serve`)
-that sends each request to one instance and passes its answer through as it arrives.
+"""`kvtier router`: the OpenAI-compatible front (uvicorn; the forwarded routes plain ASGI,
+the rest FastAPI) that sends each request to one instance, over the router's own kept-alive
+connections (upstream.py), and passes its answer through as it arrives.
 
 A request's body is forwarded unchanged; the router reads it only to choose (its prompt's
 blocks for --policy kv, its `user` for session). A request that fails before the
