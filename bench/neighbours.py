@@ -1,7 +1,7 @@
 """Batch-1 decode and prefix-hit TTFT beside neighbours that take CPU (bench/neighbour_load.py:
 none, a busy loop, another torch process, a crowd of three).
 
-The servers (kvtier in each of --kvtier-variants: by default as it starts and without its
+The servers (kvtier in each of --kvtier-variants: by default as it starts and with its
 seat keeper; and vLLM's CPU build given --vllm-venv) stay up together and each first reads a --doc-tokens document once.
 Then, per round, each neighbour set in turn is started, every server streams the same
 document again (a device prefix hit) for --decode-tokens tokens, the order of the servers
@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"kvtier bench {NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(p)
-    p.set_defaults(kvtier_variants=["", "--no-cpu-seat-keeper"])
+    p.set_defaults(kvtier_variants=["", "--cpu-seat-keeper"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -161,7 +161,7 @@ def describe(result: dict) -> str:
 WHY_VLLM_HOLDS = (
     "Where the kernel shares CPU between sessions first (autogroup; cgroups between containers), a server gets "
     "its share only while one of its threads is runnable. vLLM's worker never sleeps mid-step and its engine core "
-    "and API server poll, so its session stays queued. kvtier's OpenMP team waits passively: its threads sleep at "
-    "each of the few hundred barriers of a decode step, and without the seat keeper (--no-cpu-seat-keeper) its "
-    "session leaves the run queue each time and waits out the neighbours' slices on waking. The keeper, a child "
-    "process that yields the CPU while requests run, keeps the session queued.")
+    "and API server poll, so its session stays queued; kvtier's OpenMP team waits passively and sleeps at each "
+    "of the few hundred barriers of a decode step. The seat keeper (--cpu-seat-keeper), a child process that "
+    "yields the CPU while requests run, keeps kvtier's session queued too: it paid on a heavily oversubscribed "
+    "host and cost decode speed beside these neighbours alone, so it is off by default.")

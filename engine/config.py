@@ -146,13 +146,14 @@ class ModelOptions(Options):
         "CPU list (0-3,8), one thread bound to each CPU listed.",
         metavar="auto|none|CPUS")
     cpu_seat_keeper: bool = option(
-        True, "On CPU, beside an unbound intra-op team of two or more threads and without a cgroup CPU "
-        "quota, run a child process "
-        "that yields the CPU in a loop while requests run, so that the server keeps its share of the "
-        "CPUs beside other busy processes instead of waiting out their time slices at each OpenMP "
-        "barrier (engine/cpu_seat.py); it takes the spare time of one CPU while requests run. Applies "
-        "where the engine manages its threads (kvtier serve and generate, or --cpu-threads-bind "
-        "given); --no-cpu-seat-keeper: none.")
+        False, "On CPU, beside an unbound intra-op team of two or more threads and without a cgroup CPU "
+        "quota, run a child process that yields the CPU in a loop while requests run, so that the "
+        "server's session stays on the run queue while its OpenMP threads sleep at barriers "
+        "(engine/cpu_seat.py). It pays on a heavily oversubscribed host (many busy processes per "
+        "core) and costs about a tenth of decode speed on a quiet one or beside a few neighbours "
+        "(docs/notes/cpu-seat-keeper.md); it takes the spare time of one CPU while requests run. "
+        "Applies where the engine manages its threads (kvtier serve and generate, or "
+        "--cpu-threads-bind given).")
     # bounded to torch.manual_seed's range
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] = option(
         0, "Seed for weight-independent randomness (sampling without a per-request seed).")

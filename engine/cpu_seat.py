@@ -16,6 +16,9 @@ the spare time of one CPU while requests run, time the group's share entitles it
 and nothing while the engine is idle (it blocks on a pipe). vLLM's CPU build keeps its
 place the same way, with engine-core and worker processes that poll while a step runs.
 
+It is off unless asked for (`--cpu-seat-keeper`): on a quiet host, or beside a few
+busy processes, the keeper takes turns with the team on its CPU and decode slows by about
+a tenth; it pays where many busy processes share each core (docs/notes/cpu-seat-keeper.md).
 It runs only beside an unbound team of two or more threads, in a process without a CPU
 quota: one thread computing alone never sleeps mid-step, a team bound to CPUs of its own
 has no one to lose them to, and under a quota (a container's `cpu.max`) every yield

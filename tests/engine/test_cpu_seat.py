@@ -53,7 +53,7 @@ def wait_for(condition, timeout_s: float = 60.0) -> bool:
 @pytest.mark.parametrize(("enabled", "threads", "bound", "quota", "expected"), [
     (True, 2, False, None, True),
     (True, 16, False, None, True),
-    (False, 2, False, None, False),  # --no-cpu-seat-keeper
+    (False, 2, False, None, False),  # not asked for (the default)
     (True, 1, False, None, False),  # one thread computing alone never sleeps mid-step
     (True, 2, True, None, False),  # threads bound to CPUs of their own
     (True, 2, False, 2.5, False),  # a yield would spend the container's quota
@@ -143,15 +143,16 @@ for options in json.loads(sys.argv[2]):
 
 
 @needs_two_cpus
-def test_only_an_unbound_team_holds_its_seat_and_only_while_requests_run(tiny_model_factory):
-    configs = [{}, {"cpu_threads_bind": "none", "cpu_seat_keeper": False}, {"cpu_threads_bind": "none"},
-               {"cpu_threads_bind": f"{CPUS[0]},{CPUS[1]}"}]
+def test_an_unbound_team_asked_for_a_keeper_holds_its_seat_only_while_requests_run(tiny_model_factory):
+    configs = [{"cpu_seat_keeper": True}, {"cpu_threads_bind": "none"},
+               {"cpu_threads_bind": "none", "cpu_seat_keeper": True},
+               {"cpu_threads_bind": f"{CPUS[0]},{CPUS[1]}", "cpu_seat_keeper": True}]
     done = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, tiny_model_factory(), json.dumps(configs)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    unmanaged, switched_off, unbound, bound = map(json.loads, done.stdout.strip().splitlines()[-4:])
+    unmanaged, by_default, unbound, bound = map(json.loads, done.stdout.strip().splitlines()[-4:])
     assert not unmanaged["keeper"]  # an LLM not given the thread options leaves its caller's process alone
-    assert not switched_off["keeper"]
+    assert not by_default["keeper"]  # asked for only
     assert not bound["keeper"]
     assert unbound["keeper"]
     assert unbound["held_while_running"] and all(unbound["held_while_running"])
