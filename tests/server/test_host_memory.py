@@ -39,12 +39,15 @@ def test_a_server_starts_with_its_cpu_tier_resident(model_path):
     server = ServerProcess(*server_flags(
         model_path, "--kv-offload", "cpu", "--kv-offload-cpu-size", f"{CPU_TIER_MIB}MiB", "--kv-chunk-tokens", "32"))
     try:
-        slab = [(size, touched) for size, touched in mappings(server.pid)
-                if (CPU_TIER_MIB - 1) * 1024 <= size <= CPU_TIER_MIB * 1024 + 64]
+        found = mappings(server.pid)
     finally:
         server.stop()
     if "of memory available now; its pages are faulted in as it fills" in server.output:
         pytest.skip(f"the host had less than {CPU_TIER_MIB} MiB of memory available when the server started")
-    assert len(slab) == 1, slab
-    size, touched = slab[0]
-    assert touched >= size - 8, f"{touched} of {size} KiB resident or swapped out"
+    # The slab is one allocation, but the kernel may merge its mapping with an adjacent
+    # anonymous one of the same flags: look for a mapping holding it, faulted in whole.
+    slab_kib = (CPU_TIER_MIB - 1) * 1024  # whole slots: the slab may be a little under the size asked
+    holding = [(size, touched) for size, touched in found if size >= slab_kib]
+    assert holding, f"no mapping of {slab_kib} KiB or more: {sorted(found)[-3:]}"
+    assert max(touched for _, touched in holding) >= slab_kib, \
+        f"the cpu tier is not resident: {holding} (size KiB, resident or swapped out KiB)"
