@@ -35,10 +35,18 @@ def gone(pid: int) -> bool:
 
 
 def started(pid: int) -> bool:
-    """The keeper is past its interpreter's start-up: it ignores SIGINT, its loop's first line."""
+    """The keeper ignores SIGINT: it ran its first line (or inherited the disposition, as
+    a background job of a non-interactive shell does)."""
     with open(f"/proc/{pid}/status") as status:
         ignored = next(line for line in status if line.startswith("SigIgn:"))
     return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def settles(pid: int, interval_s: float = 0.3) -> bool:
+    """The process ran no CPU for `interval_s` (an idle keeper blocks on its pipe)."""
+    before = cpu_ticks(pid)
+    time.sleep(interval_s)
+    return cpu_ticks(pid) == before
 
 
 def wait_for(condition, timeout_s: float = 60.0) -> bool:
@@ -66,18 +74,12 @@ def test_the_keeper_runs_only_while_it_holds():
     keeper = SeatKeeper()
     try:
         assert os.getsid(keeper.pid) == os.getsid(0)  # in the engine's session: its scheduling group
-        assert wait_for(lambda: started(keeper.pid))
-        before = cpu_ticks(keeper.pid)
-        time.sleep(0.5)
-        assert cpu_ticks(keeper.pid) - before <= 1  # blocked on its pipe (a tick: start-up)
+        assert wait_for(lambda: settles(keeper.pid))  # past its start-up, blocked on its pipe
         keeper.hold(True)
         start = cpu_ticks(keeper.pid)
         assert wait_for(lambda: cpu_ticks(keeper.pid) > start + 2)
         keeper.hold(False)
-        time.sleep(0.2)  # it reads the pipe within a few hundred yields
-        stopped = cpu_ticks(keeper.pid)
-        time.sleep(0.5)
-        assert cpu_ticks(keeper.pid) - stopped <= 1
+        assert wait_for(lambda: settles(keeper.pid))  # it reads the pipe within a few hundred yields
         keeper.hold(True)  # and again
         start = cpu_ticks(keeper.pid)
         assert wait_for(lambda: cpu_ticks(keeper.pid) > start + 2)
