@@ -9,12 +9,10 @@ thread that wakes must then wait for the other groups' slices: the team gets a f
 of the share it is entitled to and a decode step stretches several times.
 
 The seat keeper is a child process in the server's session (so in its group) that calls
-sched_yield in a loop while the engine has requests to run. The group then never leaves
-the run queue of the CPU the keeper is on, and a team thread waking there preempts the
-keeper at once: a yielding task gives way to any other task of its own group. It costs
-the spare time of one CPU while requests run, time the group's share entitles it to,
-and nothing while the engine is idle (it blocks on a pipe). vLLM's CPU build keeps its
-place the same way, with engine-core and worker processes that poll while a step runs.
+sched_yield in a loop while the engine has requests to run, so that the group does not
+leave the run queue of the keeper's CPU. It blocks on a pipe while the engine is idle.
+A yield gives the CPU away only until the keeper is picked again, so the keeper takes
+turns with a team thread on its CPU; that is the price of the place it keeps.
 
 It is off unless asked for (`--cpu-seat-keeper`): on a quiet host, or beside a few
 busy processes, the keeper takes turns with the team on its CPU and decode slows by about
@@ -30,6 +28,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+from engine.cpu_threads import ThreadPlan
 
 # The child: yield while the last byte read from the pipe is b"1", block on the pipe
 # while it is b"0", exit at end of file (the engine closed it, or its process died). A
@@ -53,9 +53,9 @@ while True:
 """
 
 
-def wants_seat_keeper(enabled: bool, num_threads: int, bound: bool, cpu_quota: float | None) -> bool:
+def wants_seat_keeper(enabled: bool, plan: ThreadPlan) -> bool:
     """Whether an engine with this thread plan runs a seat keeper (see the module's why)."""
-    return enabled and num_threads >= 2 and not bound and cpu_quota is None
+    return enabled and plan.num_threads >= 2 and plan.cpus is None and plan.cpu_quota is None
 
 
 class SeatKeeper:

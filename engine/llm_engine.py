@@ -131,7 +131,7 @@ class LLMEngine:
         self.seat_keeper: SeatKeeper | None = None
         if self.thread_plan is not None:
             plan = self.thread_plan
-            if wants_seat_keeper(config.cpu_seat_keeper, plan.num_threads, plan.cpus is not None, plan.cpu_quota):
+            if wants_seat_keeper(config.cpu_seat_keeper, plan):
                 self.seat_keeper = SeatKeeper()  # before binding: a child inherits its parent thread's CPUs
             bind_threads(plan)
             logger.info("%s%s", plan.summary(), ", seat keeper on" if self.seat_keeper else "")

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine.cpu_seat import SeatKeeper, wants_seat_keeper
-from engine.cpu_threads import plan_threads
+from engine.cpu_threads import ThreadPlan, plan_threads
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="a team of two threads needs two CPUs")
@@ -67,7 +67,8 @@ def wait_for(condition, timeout_s: float = 60.0) -> bool:
     (True, 2, False, 2.5, False),  # a yield would spend the container's quota
 ])
 def test_which_plans_get_a_keeper(enabled, threads, bound, quota, expected):
-    assert wants_seat_keeper(enabled, threads, bound, quota) is expected
+    plan = ThreadPlan(threads, tuple(range(threads)) if bound else None, "test", quota)
+    assert wants_seat_keeper(enabled, plan) is expected
 
 
 def test_the_keeper_runs_only_while_it_holds():
