@@ -99,7 +99,7 @@ def record_sizes(args: argparse.Namespace, model: str, pool: int) -> tuple[int, 
               kv_offload_cpu_size="64MiB", kv_chunk_tokens=args.chunk_tokens, **smoke_engine_options(args))
     try:
         store = llm.engine.connector.store
-        return store.memory.slot_bytes, store.codec.max_record_size
+        return store.host.slot_bytes, store.codec.max_record_size
     finally:
         llm.close()
 

@@ -39,6 +39,7 @@ from redis.utils import HIREDIS_AVAILABLE
 from bench import plots
 from bench.common import markdown_table, parse_with_smoke
 from bench.kv_common import local_redis
+from bench.store_io import save_tensors
 from bench.summary import publish, run_stamp
 from kvstore import ChunkSpec, StoreConfig, TieredStore, host_copy
 from kvstore.compression import Codec, decompress_into, encode_segments
@@ -129,7 +130,7 @@ def empty(store: TieredStore, tier: str) -> None:
     starts deletes records just saved, so that a get finds chunks missing (seen on a loaded
     machine: `store --smoke` exited 1, "a chunk failed to load")."""
     store.flush([tier]).result(600)
-    store.poll()  # the index forgets the removed records
+    store.manager.poll()  # the index forgets the removed records
 
 
 def batches(items: list, size: int) -> Iterator[list]:
@@ -155,11 +156,11 @@ class Workload:
 
     def keys(self, store: TieredStore) -> list:
         per = self.spec.blocks_per_chunk
-        return [store.key(self.hashes[s : s + per], s) for s in range(0, len(self.hashes), per)]
+        return [store.manager.key(self.hashes[s : s + per], s) for s in range(0, len(self.hashes), per)]
 
     def save_all(self, store: TieredStore) -> None:
         futures = [
-            store.save(k, t)
+            save_tensors(store, k, t)
             for k, t in zip(
                 batches(self.keys(store), self.batch), batches(self.payloads, self.batch), strict=True
             )
@@ -173,15 +174,15 @@ class Workload:
         the output tensors too (what the engine's device copy does from the cpu tier)."""
         span = self.batch * self.spec.blocks_per_chunk
         for start in range(0, len(self.hashes), span):
-            load = store.open_load(store.locate(self.hashes, start, start + span))
+            load = store.transfers.open_load(store.manager.locate(self.hashes, start, start + span))
             load.wait(600)
             if load.arrived_blocks() != min(span, len(self.hashes) - start):
                 raise RuntimeError("a chunk failed to load")
             if copy_out:
                 first = start // self.spec.blocks_per_chunk
                 for index, part in enumerate(load.parts):
-                    host_copy(self.outs[first + index], store.view(part))
-            store.close_load(load)
+                    host_copy(self.outs[first + index], store.transfers.view(part))
+            store.transfers.close_load(load)
 
     def check_outputs(self, store: TieredStore) -> None:
         self.load_all(store, copy_out=True)

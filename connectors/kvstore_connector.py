@@ -1,8 +1,9 @@
 """KVStoreConnector: the connector interface (connectors/base.py) on kvstore.TieredStore.
 
-It composes the planner (connectors/planner.py: what to load and save, from the store's
-in-memory index) and the worker (connectors/worker.py: the copies between host slots and
-the device cache). Call order and the life of a load or a save: docs/ARCHITECTURE.md,
+It composes the planner (connectors/planner.py: what to load and save, asking the store's
+manager, which answers from its in-memory index) and the worker (connectors/worker.py:
+the copies between host slots and the device cache, through the store's transfers);
+admin calls go to the manager (pins, lookups) or to the store itself (lifecycle, stats). Call order and the life of a load or a save: docs/ARCHITECTURE.md,
 "Connector".
 
 A step whose meta was built but never started (the engine ran no forward: nothing was
@@ -39,8 +40,10 @@ class KVStoreConnector:
         self.store = store
         self.config = config
         self.geometry = ChunkGeometry(block_size=kv_cache.shape[3], chunk_tokens=config.kv_chunk_tokens)
-        self.planner = Planner(store, self.geometry, config.kv_save_decode, loads=config.loads, saves=config.saves)
-        self.worker = Worker(store, kv_cache, self.geometry.block_size)
+        self.manager = store.manager
+        self.planner = Planner(store.manager, store.transfers, self.geometry, config.kv_save_decode,
+                               loads=config.loads, saves=config.saves)
+        self.worker = Worker(store.transfers, kv_cache, self.geometry.block_size, store.manager.tier_names)
         self._unstarted: StepMeta | None = None  # built, not started yet
         self._started: StepMeta | None = None  # started, its saves not done yet
         self._saved = 0
@@ -72,10 +75,10 @@ class KVStoreConnector:
         return self.planner.match(request, num_computed_tokens)
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> int:
-        return len(self.store.locate(block_hashes, start, end)) if start < end else 0
+        return len(self.manager.locate(block_hashes, start, end)) if start < end else 0
 
     def probe_stored_blocks(self, block_hashes: Sequence[bytes], start: int, end: int) -> concurrent.futures.Future[int] | None:
-        return self.store.probe(block_hashes, start, end) if self.store.has_remote_index else None
+        return self.manager.probe(block_hashes, start, end) if self.manager.has_remote_index else None
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
@@ -147,11 +150,11 @@ class KVStoreConnector:
     def stats(self) -> dict[str, int | float]:
         # what the tiers reported since the last step reaches the index, and the KV events,
         # while the engine idles too (the async engine reads stats every 0.5 s then)
-        self.store.poll()
+        self.manager.poll()
         skipped = self.store.counters["save_skipped_records"]
         return connector_stats(
             self.planner.counters, self.worker.counters, (self._saved, self._offloaded, skipped),
-            self.store.tier_names,
+            self.manager.tier_names,
         )
 
     def tier_stats(self) -> dict[str, dict]:
@@ -163,12 +166,12 @@ class KVStoreConnector:
         return self.store.health()
 
     def pin(self, block_hashes: Sequence[bytes], ttl_s: float | None) -> tuple[int, int]:
-        keys = self.store.chunk_keys(block_hashes, self.geometry.block_size)
-        self.store.pin(keys, ttl_s)
-        return len(keys), sum(self.store.has_record(k.name) for k in keys)
+        keys = self.manager.chunk_keys(block_hashes, self.geometry.block_size)
+        self.manager.pin(keys, ttl_s)
+        return len(keys), sum(self.manager.has_record(k.name) for k in keys)
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int:
-        return self.store.unpin(self.store.chunk_keys(block_hashes, self.geometry.block_size))
+        return self.manager.unpin(self.manager.chunk_keys(block_hashes, self.geometry.block_size))
 
     def flush(self, tiers: Sequence[str] | None) -> concurrent.futures.Future[dict[str, int]]:
         return self.store.flush(tiers)
@@ -177,10 +180,10 @@ class KVStoreConnector:
         self.store.make_resident()
 
     def watch_blocks(self, listener: IndexListener) -> None:
-        self.store.index.watch(listener)
+        self.manager.index.watch(listener)
 
     def stored_blocks_in(self, block_hashes: Sequence[bytes], tier: str) -> int:
-        run = self.store.locate(block_hashes, 0, len(block_hashes))
+        run = self.manager.locate(block_hashes, 0, len(block_hashes))
         return next((i for i, place in enumerate(run) if tier not in place.record.tiers), len(run))
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """The scheduler side of the store connector: what to load and what to save.
 
-Plain Python over the store's in-memory index (the `StoreIndex` protocol, which
-kvstore.TieredStore satisfies); it imports neither torch nor the store, moves no bytes
-and waits on nothing. One `RequestKV` per request holds everything the connector keeps
+Plain Python over the store's manager (the `StoreIndex` protocol, which
+kvstore.manager.StoreManager satisfies: answers from the in-memory index), and the
+store's transfers for opening and giving back loads and prefetches (the `LoadOpener`
+protocol, kvstore.transfers.Transfers); it imports neither torch nor the store, moves
+no bytes and waits on nothing. One `RequestKV` per request holds everything the connector keeps
 about it: its save cursor, whether its prompt's tail record is handled, the probe and
 prefetch it started, and the load it opened.
 
@@ -25,7 +27,7 @@ from connectors.base import ConnectorRequest, ScheduledBatch
 
 
 class OpenLoad(Protocol):
-    """A load the store opened (kvstore.Load)."""
+    """A load the store opened (kvstore.transfers.Load)."""
 
     @property
     def num_blocks(self) -> int: ...
@@ -49,7 +51,7 @@ class OpenLoad(Protocol):
 
 
 class Pending(Protocol):
-    """Work of the store's pools the planner waits for (a prefetch: kvstore.ReadBatch)."""
+    """Work of the store's pools the planner waits for (a prefetch: kvstore.loading.ReadBatch)."""
 
     futures: list[Future[None]]
     deadline: float
@@ -58,7 +60,8 @@ class Pending(Protocol):
 
 
 class StoreIndex(Protocol):
-    """What the planner asks of the store (kvstore.TieredStore)."""
+    """What the planner asks the store's manager (kvstore.manager.StoreManager), from
+    memory only."""
 
     @property
     def has_remote_index(self) -> bool: ...
@@ -67,17 +70,23 @@ class StoreIndex(Protocol):
 
     def locate(self, block_hashes: Sequence[bytes], start: int, end: int) -> Sequence[Any]: ...
 
-    def open_load(self, run: Sequence[Any], start: bool = True) -> OpenLoad: ...
-
-    def close_load(self, load: Any) -> None: ...
-
     def probe(self, block_hashes: Sequence[bytes], start: int, end: int) -> Future[int] | None: ...
-
-    def prefetch_run(self, run: Sequence[Any]) -> Pending | None: ...
 
     def record_name(self, block_hash: bytes) -> str: ...
 
     def has_record(self, name: str) -> bool: ...
+
+
+class LoadOpener(Protocol):
+    """How the planner opens and gives back the loads and prefetches of located runs
+    (kvstore.transfers.Transfers): the slots are the manager's choice, the reads start
+    when the load does."""
+
+    def open_load(self, run: Sequence[Any], start: bool = True) -> OpenLoad: ...
+
+    def close_load(self, load: Any) -> None: ...
+
+    def prefetch_run(self, run: Sequence[Any]) -> Pending | None: ...
 
 
 @dataclass(frozen=True)
@@ -160,9 +169,10 @@ class Planner:
     """`loads` and `saves` say which half of the store this instance uses (its kv_role:
     a producer never loads, a consumer never saves)."""
 
-    def __init__(self, store: StoreIndex, geometry: ChunkGeometry, save_decode: bool, *,
+    def __init__(self, manager: StoreIndex, opener: LoadOpener, geometry: ChunkGeometry, save_decode: bool, *,
                  loads: bool = True, saves: bool = True) -> None:
-        self.store = store
+        self.manager = manager
+        self.opener = opener
         self.geometry = geometry
         self.save_decode = save_decode
         self.loads, self.saves = loads, saves
@@ -194,11 +204,11 @@ class Planner:
                 return 0, False
             if self._waiting(state, request, start, end):
                 return None, False
-            run = self.store.locate(request.block_hashes, start, end)
+            run = self.manager.locate(request.block_hashes, start, end)
             if not run:
                 return 0, False
             # Its reads begin once the worker knows where its blocks go (see start_loads).
-            load = self.store.open_load(run, start=False)
+            load = self.opener.open_load(run, start=False)
             if load.blocked:  # another request is reading a record of the run: wait for it
                 self._close_later(load)
                 return None, False
@@ -267,15 +277,15 @@ class Planner:
             if state.prefetched or state.probe is not None:
                 continue
             state.prefetched = True
-            run = self.store.locate(request.block_hashes, 0, end)
-            state.prefetch = self.store.prefetch_run(run)
+            run = self.manager.locate(request.block_hashes, 0, end)
+            state.prefetch = self.opener.prefetch_run(run)
             if state.prefetch is not None:
                 self.counters.prefetched_requests += 1
 
     # ---- saves ------------------------------------------------------------------------------
 
     def build(self, output: ScheduledBatch) -> StepMeta:
-        self.store.poll()  # what loads found missing is saved again
+        self.manager.poll()  # what loads found missing is saved again
         self.start_loads()
         meta = StepMeta(offloads=self.offloads, loads=[p for p in self.ready if not p.dropped])
         self.offloads, self.ready = [], []
@@ -334,15 +344,15 @@ class Planner:
             # What they found reaches the index when the store polls: apply it before the
             # index is read, or a finished probe looks like a miss (polling also gives up
             # on a probe past its time).
-            self.store.poll()
+            self.manager.poll()
         if state.probe is not None and state.probe.done():
             state.probe = None
         if state.prefetch is not None and state.prefetch.done():
             state.prefetch = None
-        if not state.probed and start < end and self.store.has_remote_index:
+        if not state.probed and start < end and self.manager.has_remote_index:
             state.probed = True
-            known = len(self.store.locate(request.block_hashes, start, end))
-            state.probe = self.store.probe(request.block_hashes, start + known, end)
+            known = len(self.manager.locate(request.block_hashes, start, end))
+            state.probe = self.manager.probe(request.block_hashes, start + known, end)
         return state.probe is not None or state.prefetch is not None
 
     def _completed(self, request: ConnectorRequest, block_ids: list[int]) -> list[SavePlan]:
@@ -370,7 +380,7 @@ class Planner:
     def _plan(self, request: ConnectorRequest, block_ids: list[int], first: int, end: int) -> SavePlan | None:
         """A save of blocks [first, end) unless the store holds that record."""
         hashes = tuple(request.block_hashes[first:end])
-        if self.store.has_record(self.store.record_name(hashes[-1])):
+        if self.manager.has_record(self.manager.record_name(hashes[-1])):
             return None
         return SavePlan(first, hashes, tuple(block_ids[first:end]))
 
@@ -397,7 +407,7 @@ class Planner:
         once), else once they are (`close_abandoned`)."""
         load.start()
         if load.done():
-            self.store.close_load(load)
+            self.opener.close_load(load)
         else:
             self.abandoned.append(load)
 
@@ -405,7 +415,7 @@ class Planner:
         still = []
         for load in self.abandoned:
             if load.done():
-                self.store.close_load(load)
+                self.opener.close_load(load)
             else:
                 still.append(load)
         self.abandoned = still

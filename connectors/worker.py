@@ -1,5 +1,6 @@
-"""The worker side of the store connector: executes the planner's plans, moving bytes
-between the store's host slots and the device KV cache, one copy each way.
+"""The worker side of the store connector: executes the planner's plans through the
+store's transfers (kvstore.transfers), moving bytes between the store's host slots and
+the device KV cache, one copy each way.
 
 - A load: every part of it (a run of blocks of one record, in a slot) is copied slot ->
   device blocks, up to the blocks that arrived; then the load is closed (a record read
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 
 from connectors.planner import PlannedLoad, SavePlan
 from connectors.transfer import BlockCopier, CopyEvent
-from kvstore import Load, TieredStore
+from kvstore import Load, Transfers
 
 
 @dataclass
@@ -104,11 +105,11 @@ class BlockDestination:
 
 
 class Worker:
-    def __init__(self, store: TieredStore, kv_cache: torch.Tensor, block_size: int) -> None:
-        self.store = store
+    def __init__(self, transfers: Transfers, kv_cache: torch.Tensor, block_size: int, tier_names: Sequence[str]) -> None:
+        self.transfers = transfers
         self.block_size = block_size
         self.copier = BlockCopier(kv_cache)
-        self.counters = WorkerCounters({name: 0 for name in store.tier_names})
+        self.counters = WorkerCounters({name: 0 for name in tier_names})
         self._arriving: dict[str, ArrivalCopies] = {}  # by request id
         self._block_rows: np.ndarray | None = None  # a CPU cache's blocks as bytes (`_block_memory`)
 
@@ -136,12 +137,12 @@ class Worker:
                 return
             copied = False
             try:
-                self.copier.to_device_off_engine_thread(self.store.view(load.parts[index])[: len(blocks)], blocks)
+                self.copier.to_device_off_engine_thread(self.transfers.view(load.parts[index])[: len(blocks)], blocks)
                 copied = True
             finally:
                 copies.finish(index, copied)
 
-        if not self.store.keeps_loaded_records:
+        if not self.transfers.keeps_loaded_records:
             for index, part in enumerate(load.parts):
                 load.offer(index, BlockDestination(copies, index, part.position, claimed_blocks, self._block_memory))
         load.start()
@@ -178,7 +179,7 @@ class Worker:
             count = min(part.count, left)
             if index not in copied:
                 event = self.copier.to_device(
-                    self.store.view(part)[:count], planned.block_ids[offset : offset + count]
+                    self.transfers.view(part)[:count], planned.block_ids[offset : offset + count]
                 )
             tokens = count * self.block_size
             self.counters.loaded_tokens_by_tier[part.tier] = self.counters.loaded_tokens_by_tier.get(part.tier, 0) + tokens
@@ -186,7 +187,7 @@ class Worker:
             offset += count
             left -= count
         seconds = time.perf_counter() - started
-        self._after(event, lambda: self.store.close_load(load, seconds))
+        self._after(event, lambda: self.transfers.close_load(load, seconds))
         self.counters.load_copy_seconds += seconds
 
     def save(self, plans: list[SavePlan]) -> int:
@@ -196,14 +197,14 @@ class Worker:
         started = time.perf_counter()
         taken = 0
         for plan in plans:
-            key = self.store.key(plan.block_hashes, plan.first_block)
-            slot = self.store.reserve(key)
+            key = self.transfers.key(plan.block_hashes, plan.first_block)
+            slot = self.transfers.reserve(key)
             if slot is None:
                 continue
             copy_started = time.perf_counter()
-            event = self.copier.from_device(plan.block_ids, self.store.payload(slot, key.num_blocks))
+            event = self.copier.from_device(plan.block_ids, self.transfers.payload(slot, key.num_blocks))
             seconds = time.perf_counter() - copy_started
-            self._after(event, lambda slot=slot, key=key, seconds=seconds: self.store.commit(slot, key, seconds))
+            self._after(event, lambda slot=slot, key=key, seconds=seconds: self.transfers.commit(slot, key, seconds))
             taken += 1
         self.counters.save_copy_seconds += time.perf_counter() - started
         return taken

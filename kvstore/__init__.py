@@ -1,6 +1,8 @@
-"""Content-addressed KV record store over the cpu, disk and redis tiers.
+"""Content-addressed KV record store: host slots (the cpu tier), disk and redis.
 
-Entry point: `TieredStore.from_config(ChunkSpec.for_kv_layout(...), StoreConfig(kv_offload="cpu,disk", ...))`.
+Entry point: `TieredStore.from_config(ChunkSpec.for_kv_layout(...), StoreConfig(kv_offload="cpu,disk", ...))`,
+whose `manager` (kvstore.manager) answers the scheduler from memory and whose
+`transfers` (kvstore.transfers) move the bytes.
 
 The names below are imported on first use: `kvstore.config` (which the CLI's option
 checks need) must not pull in torch through the store, so that a bad flag is reported
@@ -17,10 +19,10 @@ _EXPORTS = {
     "ChunkKey": "kvstore.keys",
     "ChunkSpec": "kvstore.spec",
     "ChunkSpecError": "kvstore.errors",
-    "Load": "kvstore.store",
-    "LoadPart": "kvstore.store",
-    "LoadResult": "kvstore.store",
-    "LookupResult": "kvstore.store",
+    "Load": "kvstore.transfers",
+    "LoadPart": "kvstore.manager",
+    "LoadPlan": "kvstore.manager",
+    "LookupResult": "kvstore.manager",
     "RecordError": "kvstore.errors",
     "SaveResult": "kvstore.saving",
     "StoreClosedError": "kvstore.errors",
@@ -28,8 +30,10 @@ _EXPORTS = {
     "StoreConfigError": "kvstore.errors",
     "StoreError": "kvstore.errors",
     "StoreSnapshot": "kvstore.stats",
+    "StoreManager": "kvstore.manager",
     "StoredRecord": "kvstore.index",
     "TieredStore": "kvstore.store",
+    "Transfers": "kvstore.transfers",
     "host_copy": "kvstore.spec",
 }
 __all__ = list(_EXPORTS)

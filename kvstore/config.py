@@ -164,23 +164,25 @@ def _blaming(option_name: str) -> Iterator[None]:
 def build_tiers(
     codec: RecordCodec, config: StoreConfig, pins: PinTable, staging_size: int = STAGING_SIZE
 ) -> tuple[CpuTier, list[RecordTier]]:
-    """The host slots and the record tiers below them, in lookup order."""
+    """The store's host slots and the record tiers below them, in lookup order."""
     if not config.kv_offload:
         raise StoreConfigError("a store needs at least one tier", "kv_offload")
-    return build_memory(codec, config, pins, staging_size), build_record_tiers(codec, config, pins)
+    return build_host_slots(codec, config, pins, staging_size), build_record_tiers(codec, config, pins)
 
 
-def build_memory(codec: RecordCodec, config: StoreConfig, pins: PinTable, staging_size: int) -> CpuTier:
-    """The host slots: the cpu tier when configured, else `staging_size` bytes of slots
-    that keep nothing. The first `staging_size` bytes are touched now, off the data path."""
+def build_host_slots(codec: RecordCodec, config: StoreConfig, pins: PinTable, staging_size: int) -> CpuTier:
+    """The store's host slots, which every load lands in and every save starts from: with
+    `cpu` among the tiers they keep records within `kv_offload_cpu_size` (and are the
+    `cpu` tier of the stats), else `staging_size` bytes of slots that keep nothing. The
+    first `staging_size` bytes are touched now, off the data path."""
     from tiers.cpu import CpuTier
 
     retain = "cpu" in config.kv_offload
     with _blaming("kv_offload_cpu_size" if retain else "kv_offload"):
-        memory = CpuTier(config.kv_offload_cpu_size if retain else staging_size, codec.slot_bytes, pins,
-                         retain=retain, eviction=config.kv_offload_eviction)
-    memory.touch_pages(staging_size)
-    return memory
+        host = CpuTier(config.kv_offload_cpu_size if retain else staging_size, codec.slot_bytes, pins,
+                       retain=retain, eviction=config.kv_offload_eviction)
+    host.touch_pages(staging_size)
+    return host
 
 
 def build_record_tiers(codec: RecordCodec, config: StoreConfig, pins: PinTable) -> list[RecordTier]:

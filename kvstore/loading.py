@@ -10,7 +10,7 @@ reads into the slots' record regions, verifies each record there (kvstore.record
 `settle_in_slot`) and checks it against what the index knows of it (first block,
 length, block hashes). The task returns nothing to anyone: it leaves on each read where
 the record came from, and queues what it learnt (tier T holds record R, or does not) as
-findings that the engine thread applies to the index when it polls (kvstore.store), in
+findings that the engine thread applies to the index when it polls (kvstore.manager), in
 order: a finding of before a remote tier's outage is dropped with what the index knew
 of that tier. A missing record, a bad one
 (counted on its tier and deleted from it, so that the recomputed record can be saved
@@ -37,12 +37,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvstore.errors import KeyMismatchError, RecordError
 from kvstore.parts import Finding, StoreParts
-from kvstore.record import RecordHeader
 from tiers.base import Buffer, RecordTier
+
+if TYPE_CHECKING:
+    from kvstore.record import RecordHeader
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -204,7 +206,7 @@ class Loader:
                         read.state = ReadState.OK if read.tier is not None else ReadState.FAILED
             if timed_out:  # nobody waits for these slots any more: free them now
                 for read in reads:
-                    self._parts.memory.abort(read.slot)
+                    self._parts.host.abort(read.slot)
 
     def _fill(self, batch: ReadBatch, index: int, reads: list[RecordRead]) -> None:
         pending = reads
@@ -228,7 +230,7 @@ class Loader:
     def _read_from(self, tier: RecordTier, ask: list[RecordRead]) -> list[str]:
         """Read `ask` from `tier` into their slots (or their destinations) and verify them;
         the names of bad records."""
-        memory, codec = self._parts.memory, self._parts.codec
+        host, codec = self._parts.host, self._parts.codec
         bad: list[str] = []
         for read in [r for r in ask if r.destination is not None]:
             outcome = self._place(tier, read)
@@ -241,7 +243,7 @@ class Loader:
         ask = [r for r in ask if r.tier is None and r.name not in bad]
         if not ask:
             return bad
-        regions = [codec.region(memory.buffer(r.slot), r.num_blocks) for r in ask]
+        regions = [codec.region(host.buffer(r.slot), r.num_blocks) for r in ask]
         records = tier.get([r.name for r in ask], regions)
         for read, record in zip(ask, records, strict=True):
             header = self._settle(tier, read, record, bad)
@@ -258,7 +260,7 @@ class Loader:
         placed = False
         try:
             codec = self._parts.codec
-            pieces = codec.scatter(self._parts.memory.buffer(read.slot), read.num_blocks, blocks)
+            pieces = codec.scatter(self._parts.host.buffer(read.slot), read.num_blocks, blocks)
             length = tier.read_in_place(read.name, pieces)
             header = None if length is None else codec.verify_scattered(
                 self._parts.block_hash_of(read.name), pieces, length)
@@ -279,7 +281,7 @@ class Loader:
             self._parts.findings.put(Finding(read.name, tier.name))
             return None
         try:
-            slot = self._parts.memory.buffer(read.slot)
+            slot = self._parts.host.buffer(read.slot)
             header = self._parts.codec.settle_in_slot(self._parts.block_hash_of(read.name), slot, record)
             _check_against_index(header, read)
         except RecordError as exc:

@@ -1,6 +1,6 @@
 """Write-behind of committed records to the record tiers (disk, redis).
 
-A record to write is a committed host slot (kvstore.store): the writer holds a reference
+A record to write is a committed host slot (kvstore.transfers): the writer holds a reference
 on the slot until every target tier has answered. A task of the write pool takes up to
 BATCH queued records, seals them in place (header and MAC around the payload; xxh3, HMAC
 and lz4 are CPU work) and hands the slots' bytes to each tier in turn, as they are: no
@@ -65,19 +65,19 @@ class WriteBehind:
         self._max_pending = max_pending_bytes
         self._pending = 0
         self._held_slots = 0
-        memory = parts.memory
-        self._max_held_slots = memory.num_slots // 2 if memory.retain else memory.num_slots
+        host = parts.host
+        self._max_held_slots = host.num_slots // 2 if host.retain else host.num_slots
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._deferred: deque[_Write] = deque()
-        self._max_deferred = memory.num_slots if memory.retain else 0
+        self._max_deferred = host.num_slots if host.retain else 0
         self._queue: deque[_Write] = deque()
         self._unfinished = 0  # queued or being written
         self._writing: set[_Write] = set()  # taken by a write task
         self._tasks = 0  # write tasks running
         self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-write")
-        self.all_tiers = frozenset(([memory.name] if memory.retain else []) + [t.name for t in parts.lower])
+        self.all_tiers = frozenset(([host.name] if host.retain else []) + [t.name for t in parts.lower])
 
     @property
     def pending_bytes(self) -> int:
@@ -92,7 +92,7 @@ class WriteBehind:
         write = _Write(key, None, list(targets), set(stored))
         with self._lock:
             if self._reserve_locked(write):
-                self._parts.memory.hold(slot)
+                self._parts.host.hold(slot)
                 write.slot = slot
                 self._queue_locked([write])
             elif self._held_slots and len(self._deferred) < self._max_deferred:
@@ -145,9 +145,9 @@ class WriteBehind:
                 self._finish(batch)
 
     def _write(self, batch: list[_Write]) -> None:
-        memory, codec = self._parts.memory, self._parts.codec
+        host, codec = self._parts.host, self._parts.codec
         for write in batch:
-            write.record = codec.seal(write.key, memory.buffer(write.slot))
+            write.record = codec.seal(write.key, host.buffer(write.slot))
         for tier in self._parts.lower:
             self._write_tier(tier, batch)
 
@@ -171,7 +171,7 @@ class WriteBehind:
     def _finish(self, batch: list[_Write]) -> None:
         failed = 0
         for write in batch:
-            self._parts.memory.release(write.slot)
+            self._parts.host.release(write.slot)
             write.record = None
             with self._lock:
                 self._held_slots -= 1
@@ -193,7 +193,7 @@ class WriteBehind:
             admitted = []
             while self._deferred and self._reserve_locked(self._deferred[0]):
                 write = self._deferred.popleft()
-                write.slot = self._parts.memory.acquire(write.key.name, hit=False)
+                write.slot = self._parts.host.acquire(write.key.name, hit=False)
                 if write.slot is None:
                     self._held_slots -= 1
                     self._pending -= self._nbytes(write)
@@ -203,7 +203,7 @@ class WriteBehind:
             if admitted:
                 self._queue_locked(admitted)
         for write in dropped:
-            write.stored.discard(self._parts.memory.name)
+            write.stored.discard(self._parts.host.name)
             _resolve(write)
         if dropped:
             self._parts.counters.add(save_dropped_records=len(dropped))

@@ -38,6 +38,10 @@ Buffer = bytes | bytearray | memoryview
 # which does one short piece of work and answers the seconds until its next call (None:
 # never again).
 Upkeep = tuple[str, Callable[[], float | None]]
+# What the host slots' `reserve` answers instead of a slot (tiers.cpu): the record is
+# committed or being written already; every slot is held, reserved or pinned.
+ALREADY_PRESENT = -1
+NO_ROOM = -2
 IndexEntry = tuple[str, bytes]  # (block name, what the tier keeps for it)
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z._-]{1,200}$")

@@ -32,15 +32,13 @@ from typing import Any
 
 import torch
 
-from tiers.base import Tier, Upkeep
+from tiers.base import ALREADY_PRESENT, NO_ROOM, Tier, Upkeep
 from tiers.errors import TierConfigError
 from tiers.eviction import EvictionPolicy, make_policy
 from tiers.pins import PinTable
 
 log = logging.getLogger(__name__)
 
-ALREADY_PRESENT = -1
-NO_ROOM = -2
 SLOT_ALIGN = 64
 PAGE_BYTES = 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them

@@ -41,7 +41,7 @@ def instance_state(llm: LLM) -> dict[str, set[int]]:
     """What the instance holds, read from its device pool and its store's index."""
     engine = llm.engine
     state = {"GPU": {external(h) for h in engine.kv_cache_manager.block_pool.cached}}
-    for record in engine.connector.store.index.records():
+    for record in engine.connector.store.manager.index.records():
         for tier in record.tiers:
             state.setdefault(MEDIUMS[tier], set()).update(external(h) for h in record.block_hashes if h)
     return {medium: hashes for medium, hashes in state.items() if hashes}

@@ -114,7 +114,7 @@ def test_saves_prompt_records_then_loads_them_into_other_blocks(cache, tmp_path)
     assert block_values(cache, table[5:]) == [15]
     stats = connector.stats()
     assert stats["kv_loaded_tokens"] == stats["kv_external_hit_tokens_cpu"] == 20
-    assert connector.store.memory.slots_in_use == 0
+    assert connector.store.host.slots_in_use == 0
     connector.close()
 
 
@@ -239,10 +239,10 @@ def admitted_while_reads_are_held(
 def wait_until_abandoned_slots_are_free(connector: KVStoreConnector) -> None:
     """Until a dropped load's reads are done and its slots given back (it reports nothing)."""
     deadline = time.monotonic() + 5
-    while connector.store.memory.slots_in_use and time.monotonic() < deadline:
+    while connector.store.host.slots_in_use and time.monotonic() < deadline:
         assert connector.get_finished() == {}
         time.sleep(0.01)
-    assert connector.store.memory.slots_in_use == 0, "the abandoned load's slots were never given back"
+    assert connector.store.host.slots_in_use == 0, "the abandoned load's slots were never given back"
 
 
 def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_before_the_step(cache, tmp_path):
@@ -254,7 +254,7 @@ def test_records_arriving_for_an_admitted_request_are_copied_into_its_blocks_bef
     assert block_values(cache, table) == [0, 1, 2, 3, 4, 35]
     stats = connector.stats()
     assert stats["kv_loaded_tokens"] == stats["kv_external_hit_tokens_disk"] == 20
-    assert connector.store.memory.slots_in_use == 0
+    assert connector.store.host.slots_in_use == 0
     connector.close()
 
 
@@ -271,7 +271,7 @@ def test_a_record_removed_behind_the_index_is_recomputed(cache, tmp_path):
     connector = make_connector(cache, tmp_path, tiers="disk")
     compute_and_save(connector, make_request("a", 21), [0, 1, 2, 3, 4, 5])
     disk = connector.store.lower[0]
-    second = connector.store.chunk_keys(make_request("x", 21).block_hashes, BS)[1]
+    second = connector.store.manager.chunk_keys(make_request("x", 21).block_hashes, BS)[1]
     disk.path(second.name).unlink()  # another process removed it; the index still has it
     request = make_request("b", 21)
     promised, is_async = admit(connector, request, 0, [30, 31, 32, 33, 34, 35])
@@ -281,7 +281,7 @@ def test_a_record_removed_behind_the_index_is_recomputed(cache, tmp_path):
     assert promised == 8  # the blocks before the missing record
     stats = connector.stats()
     assert stats["kv_load_failures"] == 1 and stats["kv_load_failed_tokens"] == 12
-    assert connector.store.lookup([second]).num_chunks == 0  # forgotten in the index
+    assert connector.store.manager.lookup([second]).num_chunks == 0  # forgotten in the index
     connector.close()
 
 
@@ -299,7 +299,7 @@ def test_prefetch_pulls_queued_requests_records_into_the_cpu_tier(cache, tmp_pat
 
 
 def test_saves_are_skipped_when_every_slot_is_held(cache, tmp_path):
-    record = make_connector(cache, tmp_path).store.memory.slot_bytes
+    record = make_connector(cache, tmp_path).store.host.slot_bytes
     connector = make_connector(cache, tmp_path, kv_offload_cpu_size=f"{2 * record}B")
     pinned = make_request("p", 17, first=500)  # 2 full records, pinned: they never leave
     connector.pin(pinned.block_hashes, ttl_s=None)
@@ -311,7 +311,7 @@ def test_saves_are_skipped_when_every_slot_is_held(cache, tmp_path):
 
 
 def test_a_load_stops_at_the_records_that_get_a_slot(cache, tmp_path):
-    record = make_connector(cache, tmp_path).store.memory.slot_bytes
+    record = make_connector(cache, tmp_path).store.host.slot_bytes
     compute_and_save(make_connector(cache, tmp_path, tiers="disk"), make_request("a", 21), [0, 1, 2, 3, 4, 5])
     connector = make_connector(cache, tmp_path, tiers="disk", staging_size=2 * record)
     table = list(range(10, 16))

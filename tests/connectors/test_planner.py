@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.store_io import save_tensors
 from connectors.planner import ChunkGeometry, Planner
 from engine.hashing import BlockHasher
 from engine.request import Request
@@ -55,7 +56,7 @@ def test_the_planner_imports_without_torch():
 
 
 def test_a_chunked_prefill_saves_each_record_once_its_blocks_are_computed(store):
-    planner = Planner(store, GEOMETRY, save_decode=False)
+    planner = Planner(store.manager, store.transfers, GEOMETRY, save_decode=False)
     request = make_request("a", list(range(100, 126)))  # 6 full blocks: a full record and a tail
     table = list(range(7))
     assert planner.match(request, 0) == (0, False)
@@ -73,8 +74,8 @@ def test_a_chunked_prefill_saves_each_record_once_its_blocks_are_computed(store)
 def test_a_stored_record_is_planned_only_once_and_loads_cover_any_shared_run(store):
     a = make_request("a", list(range(100, 126)))
     blocks = torch.zeros(4, *SPEC.block_shape)
-    assert store.save([store.key(a.block_hashes[:4])], [blocks]).result(5).complete
-    planner = Planner(store, GEOMETRY, save_decode=False)
+    assert save_tensors(store, [store.manager.key(a.block_hashes[:4])], [blocks]).result(5).complete
+    planner = Planner(store.manager, store.transfers, GEOMETRY, save_decode=False)
     b = make_request("b", a.prompt_token_ids[:10] + [7] * 16)  # shares 2 blocks, then differs
     assert planner.match(b, 0) == (8, False)  # blocks 0-1, read out of a's record [0..3]
     planner.allocated(b, list(range(7)), 8)
@@ -88,12 +89,12 @@ def test_a_stored_record_is_planned_only_once_and_loads_cover_any_shared_run(sto
 def test_a_lookup_waits_for_the_remote_index_then_finds_another_instances_records(redis_url, tmp_path):
     request = make_request("a", list(range(100, 126)))
     with TieredStore.from_config(SPEC, StoreConfig(kv_offload="redis", kv_redis_url=redis_url)) as writer:
-        keys = [writer.key(request.block_hashes[:4]), writer.key(request.block_hashes[4:6], 4)]
+        keys = [writer.manager.key(request.block_hashes[:4]), writer.manager.key(request.block_hashes[4:6], 4)]
         payloads = [torch.zeros(4, *SPEC.block_shape), torch.ones(2, *SPEC.block_shape)]
-        assert writer.save(keys, payloads).result(5).complete
+        assert save_tensors(writer, keys, payloads).result(5).complete
     with TieredStore.from_config(SPEC, StoreConfig(kv_offload="redis", kv_redis_url=redis_url, kv_lookup_timeout=5)) as reader:
-        planner = Planner(reader, GEOMETRY, save_decode=False)
-        assert reader.locate(request.block_hashes, 0, 6) == []
+        planner = Planner(reader.manager, reader.transfers, GEOMETRY, save_decode=False)
+        assert reader.manager.locate(request.block_hashes, 0, 6) == []
         assert planner.match(request, 0) == (None, False)  # the probe of Redis's index is out
         deadline = time.monotonic() + 10
         answer = (None, False)
@@ -112,8 +113,8 @@ def test_a_lookup_waits_for_the_remote_index_then_finds_another_instances_record
 
 def test_load_tiers_are_the_runs_a_settled_load_delivered_read_once(store):
     a = make_request("a", list(range(100, 126)))
-    assert store.save([store.key(a.block_hashes[:4])], [torch.zeros(4, *SPEC.block_shape)]).result(5).complete
-    planner = Planner(store, GEOMETRY, save_decode=False)
+    assert save_tensors(store, [store.manager.key(a.block_hashes[:4])], [torch.zeros(4, *SPEC.block_shape)]).result(5).complete
+    planner = Planner(store.manager, store.transfers, GEOMETRY, save_decode=False)
     b = make_request("b", a.prompt_token_ids[:10] + [7] * 16)
     assert planner.match(b, 0) == (8, False)
     assert planner.take_load_tiers("b") == []  # not admitted yet

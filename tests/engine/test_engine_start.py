@@ -41,7 +41,7 @@ def test_resident_host_memory_is_faulted_in_beside_the_packing_and_waited_for(ti
     try:
         assert seen.get("done") is True
         assert seen["thread"] is not threading.current_thread()
-        cpu = engine.connector.store.memory
+        cpu = engine.connector.store.host
         assert cpu.populated_bytes == cpu.num_slots * cpu.slot_bytes
     finally:
         engine.shutdown()
@@ -70,4 +70,4 @@ def test_an_engine_that_fails_while_packing_closes_its_store(tiny_model_factory,
         llm_engine.LLMEngine(_config(tiny_model_factory(), tmp_path), resident_host_memory=True)
     assert len(built) == 1
     with pytest.raises(StoreClosedError):
-        built[0].store.lookup([])
+        built[0].store.manager.lookup([])

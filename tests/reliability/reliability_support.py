@@ -184,13 +184,13 @@ def rejected(stats: dict[str, Any]) -> int:
 def chunk_keys(engine: LLMEngine, prompt: list[int], salt: str | None = None) -> list[ChunkKey]:
     """The store keys of a prompt's full chunks."""
     hashes = engine.block_hasher.hashes(prompt, salt)
-    return store_of(engine).chunk_keys(hashes, engine.config.block_size)
+    return store_of(engine).manager.chunk_keys(hashes, engine.config.block_size)
 
 
 def missing_chunks(engine: LLMEngine, prompt: list[int], salt: str | None = None) -> int:
     """Full chunks of `prompt` that the store's lookup does not find."""
     keys = chunk_keys(engine, prompt, salt)
-    return len(keys) - store_of(engine).lookup(keys).num_chunks
+    return len(keys) - store_of(engine).manager.lookup(keys).num_chunks
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> float:

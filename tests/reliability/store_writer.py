@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from bench.store_io import save_tensors
 from kvstore import ChunkSpec, StoreConfig, TieredStore
 
 OTHER_MODEL = hashlib.sha256(b"another model").digest()
@@ -35,8 +36,8 @@ def main(spec: dict) -> None:
     for count in itertools.count(1):
         store = stores[count % 2]
         payload = torch.randn(store.spec.shape).to(store.spec.dtype)
-        key = store.key([os.urandom(32) for _ in range(store.spec.blocks_per_chunk)])
-        store.save([key], [payload]).result(30)
+        key = store.manager.key([os.urandom(32) for _ in range(store.spec.blocks_per_chunk)])
+        save_tensors(store, [key], [payload]).result(30)
         if count % REPORT_EVERY == 0:
             print(json.dumps({"written": count}), flush=True)
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from scorecard import Scorecard
 
 from bench.redis_server import RedisServer
+from bench.store_io import load_tensors
 from kvstore import RecordError, StoreConfig, TieredStore
 from kvstore.record import FLAG_HMAC, FLAG_LZ4, FLAG_LZ4_PLANES, HEADER_SIZE, MAGIC, RecordCodec
 from kvstore.spec import MAX_RANK, tensor_bytes
@@ -154,12 +155,12 @@ def test_a_huge_value_under_a_valid_key_is_read_in_bounded_memory(
     server = redis_factory() if tier == "redis" else None
     options = {"kv_offload": tier, "kv_offload_disk_path": str(tmp_path), "kv_redis_url": server and server.url}
     with TieredStore.from_config(SPEC, StoreConfig(**options)) as store:
-        key = store.key([KEY])
+        key = store.manager.key([KEY])
         plant_huge_value(store, key.name, server)
         out = torch.empty(SPEC.shape, dtype=SPEC.dtype)
         tracemalloc.start()
         try:
-            result = store.load([key], [out]).result(30)
+            result = load_tensors(store, [key], [out]).result(30)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -96,7 +96,7 @@ def test_aborts_during_store_loads_leak_nothing(model_path: str, cold: ColdOracl
                                               scorecard: Scorecard):
     prompts = random_prompts(8, 100, seed=39)
     with LLM(model=model_path, **STORE_ONLY, kv_offload="disk", kv_offload_disk_path=str(tmp_path)) as llm:
-        engine, slots = llm.engine, llm.engine.connector.store.memory  # host slots loads land in
+        engine, slots = llm.engine, llm.engine.connector.store.host  # host slots loads land in
         drive(engine, prompts, MAX_TOKENS)
         assert store_of(engine).drain(30)
         aborted_while_loading = 0

@@ -48,9 +48,9 @@ class TimedLookups:
     """Times every call of the store's real `lookup` (the only store call a step waits on)."""
 
     def __init__(self, store: TieredStore) -> None:
-        self._lookup = store.lookup
+        self._lookup = store.manager.lookup
         self.max_s = 0.0
-        store.lookup = self
+        store.manager.lookup = self
 
     def __call__(self, keys: Sequence[ChunkKey]) -> LookupResult:
         started = time.perf_counter()

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bench.store_io import load_tensors, save_tensors
 from kvstore import ChunkKey, StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
@@ -25,7 +26,7 @@ from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 def record_key(store: TieredStore, i: int) -> ChunkKey:
     """The key of a full record named by `i` (its block hashes stand in for chained ones)."""
     blocks = store.spec.blocks_per_chunk
-    return store.key([hashlib.sha256(f"shared-block-{i}-{b}".encode()).digest() for b in range(blocks)])
+    return store.manager.key([hashlib.sha256(f"shared-block-{i}-{b}".encode()).digest() for b in range(blocks)])
 
 
 def open_store(options: dict) -> TieredStore:
@@ -44,17 +45,17 @@ def churn(options: dict) -> dict:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         store, i = rng.choice(stores), rng.randrange(ids)
-        counts, key = summary[store.tier_names[0]], record_key(store, i)
+        counts, key = summary[store.manager.tier_names[0]], record_key(store, i)
         if rng.random() < 0.5:
-            store.save([key], [chunk_payload(store.spec, i)]).result(10)
+            save_tensors(store, [key], [chunk_payload(store.spec, i)]).result(10)
             counts["saves"] += 1
             continue
         counts["loads"] += 1
-        if store.load([key], [out]).result(10).ok[0]:
+        if load_tensors(store, [key], [out]).result(10).ok[0]:
             counts["hits"] += 1
             counts["mismatches"] += not bits_equal(out, chunk_payload(store.spec, i))
     for store in stores:
-        tier = store.stats().tiers[store.tier_names[0]]
+        tier = store.stats().tiers[store.manager.tier_names[0]]
         for name in ("checksum_failures", "auth_failures", "rejected_records", "errors"):
             summary[tier.name][name] = tier.counters[name]
         store.close()
@@ -65,7 +66,7 @@ def writer(options: dict) -> None:
     store = open_store(options)
     i = 0
     while True:
-        store.save([record_key(store, i)], [chunk_payload(store.spec, i)]).result(10)
+        save_tensors(store, [record_key(store, i)], [chunk_payload(store.spec, i)]).result(10)
         i += 1
         if i == 4:
             print("ready", flush=True)

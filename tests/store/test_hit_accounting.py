@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from bench.store_io import save_tensors
 from kvstore import StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, make_spec
 
@@ -45,19 +46,19 @@ def open_store(tmp_path):
 def save_sequence(store: TieredStore, i: int, blocks: int) -> torch.Tensor:
     hashes = sequence(i, blocks)
     payload = torch.randn(blocks, *store.spec.block_shape).to(store.spec.dtype)
-    keys = [store.key(hashes[s : s + BLOCKS], s) for s in range(0, blocks, BLOCKS)]
-    assert store.save(keys, [payload[s : s + BLOCKS].clone() for s in range(0, blocks, BLOCKS)]).result(30).complete
+    keys = [store.manager.key(hashes[s : s + BLOCKS], s) for s in range(0, blocks, BLOCKS)]
+    assert save_tensors(store, keys, [payload[s : s + BLOCKS].clone() for s in range(0, blocks, BLOCKS)]).result(30).complete
     assert store.drain(30)
     return payload
 
 
 def load_blocks(store: TieredStore, hashes: list[bytes], start: int, end: int) -> tuple[torch.Tensor, list]:
     """Open, wait for and close a load of blocks [start, end): their payload, parts' tiers."""
-    load = store.open_load(store.locate(hashes, start, end))
+    load = store.transfers.open_load(store.manager.locate(hashes, start, end))
     load.wait(30)
-    found = torch.cat([store.view(part).clone() for part in load.parts])
+    found = torch.cat([store.transfers.view(part).clone() for part in load.parts])
     tiers = [part.tier for part in load.parts]
-    store.close_load(load)
+    store.transfers.close_load(load)
     return found, tiers
 
 
@@ -72,14 +73,14 @@ def test_a_probe_past_the_lookup_timeout_is_counted_and_logged_once(open_store, 
     server.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
         for _ in range(3):
-            assert reader.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 0
+            assert reader.manager.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 0
     finally:
         server.resume()
     assert reader.stats().tiers["redis"].counters["probe_timeouts"] == 3
     warnings = [r for r in caplog.records if PROBE_TIMEOUT_WARNING in r.getMessage()]
     assert len(warnings) == 1 and "--kv-lookup-timeout" in warnings[0].getMessage()
     # what those probes missed was there: a probe with time to get its answer finds it
-    assert open_store("cpu,redis", server.url).probe(hashes, 0, 8).result(PROBE_WAIT_S) == 8
+    assert open_store("cpu,redis", server.url).manager.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 8
 
 
 def test_probe_timeouts_are_exported_per_tier():
@@ -101,10 +102,10 @@ def test_a_record_prefetched_from_redis_is_a_redis_hit_for_the_load_that_takes_i
     payload = save_sequence(writer, 2, 8)
     reader = open_store("cpu,redis", redis_url)
     hashes = sequence(2, 8)
-    assert reader.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 8
-    assert reader.prefetch_run(reader.locate(hashes, 0, 8)).wait(30)
-    reader.poll()
-    assert all("cpu" in location.record.tiers for location in reader.locate(hashes, 0, 8))
+    assert reader.manager.probe(hashes, 0, 8).result(PROBE_WAIT_S) == 8
+    assert reader.transfers.prefetch_run(reader.manager.locate(hashes, 0, 8)).wait(30)
+    reader.manager.poll()
+    assert all("cpu" in location.record.tiers for location in reader.manager.locate(hashes, 0, 8))
 
     found, tiers = load_blocks(reader, hashes, 0, 8)  # from the cpu tier, for what it came for
     assert bits_equal(found, payload) and tiers == ["redis", "redis"]

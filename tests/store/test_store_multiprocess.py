@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from bench.store_io import load_tensors
 from kvstore import StoreConfig, TieredStore
 from tests.store.store_helpers import bits_equal, chunk_payload, make_spec
 
@@ -71,10 +72,10 @@ def test_sigkill_during_writes_leaves_no_torn_record(tmp_path):
         from mp_worker import record_key
 
         keys = [record_key(store, i) for i in range(10_000)]
-        found = store.lookup(keys).num_chunks
+        found = store.manager.lookup(keys).num_chunks
         assert found >= 4
         outs = [torch.empty(spec.shape, dtype=spec.dtype) for _ in range(found)]
-        assert all(store.load(keys[:found], outs).result(30).ok)
+        assert all(load_tensors(store, keys[:found], outs).result(30).ok)
         assert all(bits_equal(out, chunk_payload(spec, i)) for i, out in enumerate(outs))
         assert store.stats().tiers["disk"].counters["checksum_failures"] == 0
     finally:

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from bench.store_io import load_tensors, save_tensors
 from kvstore import (
     ChunkSpecError,
     StoreClosedError,
@@ -63,12 +64,12 @@ def open_store(tmp_path, redis_url):
 
 def record_key(store: TieredStore, i: int):
     """The key of the full first record of sequence `i`."""
-    return store.key(sequence(i, BLOCKS))
+    return store.manager.key(sequence(i, BLOCKS))
 
 
 def save_chunks(store: TieredStore, ids) -> list:
     keys = [record_key(store, i) for i in ids]
-    result = store.save(keys, [chunk_payload(store.spec, i) for i in ids]).result(10)
+    result = save_tensors(store, keys, [chunk_payload(store.spec, i) for i in ids]).result(10)
     assert result.complete, result
     return keys
 
@@ -77,21 +78,21 @@ def save_sequence(store: TieredStore, i: int, blocks: int) -> torch.Tensor:
     """Save every record of sequence `i` (full records, then a tail); its payload."""
     hashes = sequence(i, blocks)
     payload = torch.randn(blocks, *store.spec.block_shape).to(store.spec.dtype)
-    keys = [store.key(hashes[s : s + BLOCKS], s) for s in range(0, blocks, BLOCKS)]
+    keys = [store.manager.key(hashes[s : s + BLOCKS], s) for s in range(0, blocks, BLOCKS)]
     tensors = [payload[s : s + BLOCKS].clone() for s in range(0, blocks, BLOCKS)]
-    assert store.save(keys, tensors).result(10).complete
+    assert save_tensors(store, keys, tensors).result(10).complete
     return payload
 
 
 def load_run(store: TieredStore, hashes, start: int, end: int) -> tuple[torch.Tensor, list]:
     """Locate blocks [start, end) and load what was found; (their payload, parts' tiers)."""
-    load = store.open_load(store.locate(hashes, start, end))
+    load = store.transfers.open_load(store.manager.locate(hashes, start, end))
     load.wait(10)
     arrived = load.arrived_blocks()
-    views = [store.view(p) for p in load.parts if p.tier is not None]
+    views = [store.transfers.view(p) for p in load.parts if p.tier is not None]
     tiers = [p.tier for p in load.parts]
     out = torch.cat(views)[:arrived].clone() if views else torch.empty(0)
-    store.close_load(load)
+    store.transfers.close_load(load)
     return out, tiers
 
 
@@ -101,9 +102,9 @@ def load_run(store: TieredStore, hashes, start: int, end: int) -> tuple[torch.Te
 def test_roundtrip_is_bit_exact_through_every_tier(open_store, tier, dtype, compress):
     store = open_store(tier, make_spec(dtype), kv_compress=compress, kv_secret="k" if compress else None)
     keys = save_chunks(store, range(3))
-    assert store.lookup(keys).tiers == (tier,) * 3
+    assert store.manager.lookup(keys).tiers == (tier,) * 3
     outs = outputs(store.spec, 3)
-    result = store.load(keys, outs).result(10)
+    result = load_tensors(store, keys, outs).result(10)
     assert result.tiers == (tier,) * 3
     assert all(bits_equal(out, chunk_payload(store.spec, i)) for i, out in enumerate(outs))
 
@@ -118,7 +119,7 @@ def test_any_shared_run_of_blocks_is_found_however_records_were_cut(open_store, 
     assert found.shape[0] == 5 and bits_equal(found, payload[1:6])
     found, _ = load_run(store, hashes, 5, 10)  # inside a record, then its tail record
     assert bits_equal(found, payload[5:10])
-    assert store.locate(hashes, 10, 12) == []
+    assert store.manager.locate(hashes, 10, 12) == []
 
 
 def test_the_index_follows_what_tiers_drop(open_store):
@@ -126,10 +127,10 @@ def test_the_index_follows_what_tiers_drop(open_store):
     slot = RecordCodec(spec).slot_bytes
     store = open_store("cpu,disk,redis", spec, kv_offload_cpu_size=f"{2 * slot + slot // 2}B")
     keys = [save_chunks(store, [i])[0] for i in range(6)]
-    assert store.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
+    assert store.manager.lookup(keys).tiers == ("disk",) * 4 + ("cpu",) * 2
     assert store.flush(["disk"]).result(30) == {"disk": 6}
-    assert store.lookup(keys).tiers == ("redis",) * 4 + ("cpu",) * 2
-    assert store.lookup([]).num_chunks == 0
+    assert store.manager.lookup(keys).tiers == ("redis",) * 4 + ("cpu",) * 2
+    assert store.manager.lookup([]).num_chunks == 0
     snapshot = store.stats().counters
     assert snapshot["saves"] == 6
 
@@ -139,7 +140,7 @@ def test_load_reports_each_key(open_store):
     keys = save_chunks(store, [0, 1, 3])
     wanted = [keys[0], keys[1], record_key(store, 2), keys[2]]
     outs = outputs(store.spec, 4)
-    result = store.load(wanted, outs).result(10)
+    result = load_tensors(store, wanted, outs).result(10)
     assert result.ok == (True, True, False, True) and result.num_leading_ok == 2
     assert bits_equal(outs[3], chunk_payload(store.spec, 3))
     assert bits_equal(outs[2], torch.full(store.spec.shape, 7, dtype=store.spec.dtype))
@@ -150,11 +151,11 @@ def test_save_copies_the_callers_tensors_before_returning(open_store, tiers):
     store = open_store(tiers)
     key = record_key(store, 0)
     staging = chunk_payload(store.spec, 0).clone()
-    future = store.save([key], [staging])
+    future = save_tensors(store, [key], [staging])
     staging.fill_(0)  # the caller reuses its buffer at once
     assert future.result(10).complete
     out = outputs(store.spec, 1)
-    store.load([key], out).result(10)
+    load_tensors(store, [key], out).result(10)
     assert bits_equal(out[0], chunk_payload(store.spec, 0))
 
 
@@ -163,14 +164,14 @@ def test_a_lower_tier_load_lands_in_the_slot_that_becomes_the_cpu_copy(open_stor
     payload = save_sequence(first, 2, 8)
     store = open_store("cpu,disk")
     hashes = sequence(2, 8)
-    load = store.open_load(store.locate(hashes, 0, 8))
+    load = store.transfers.open_load(store.manager.locate(hashes, 0, 8))
     assert not load.done() or [p.tier for p in load.parts] == ["disk", "disk"]
     load.wait(10)
     slots = [p.slot for p in load.parts]
-    assert bits_equal(torch.cat([store.view(p) for p in load.parts]), payload)
-    store.close_load(load)
+    assert bits_equal(torch.cat([store.transfers.view(p) for p in load.parts]), payload)
+    store.transfers.close_load(load)
     names = [p.name for p in load.parts]
-    assert [store.memory.acquire(n) for n in names] == slots  # promoted in place, no copy
+    assert [store.host.acquire(n) for n in names] == slots  # promoted in place, no copy
     assert store.stats().counters["promotions"] == 2
 
 
@@ -182,7 +183,7 @@ def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
     flipped[-100] ^= 0xFF
     disk.path(keys[0].name).write_bytes(bytes(flipped))
     disk.path(keys[1].name).write_bytes(disk.path(keys[1].name).read_bytes()[:500])
-    result = store.load(keys, outputs(store.spec, 3)).result(10)
+    result = load_tensors(store, keys, outputs(store.spec, 3)).result(10)
     assert result.ok == (False, False, True)
     counters = store.stats().tiers["disk"].counters
     assert counters["checksum_failures"] == 2 and counters["misses"] == 2 and counters["hits"] == 1
@@ -190,7 +191,7 @@ def test_corrupt_disk_records_are_counted_misses_and_removed(open_store):
     while disk.path(keys[0].name).exists() or disk.path(keys[1].name).exists():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert store.lookup(keys[:1]).num_chunks == 0
+    assert store.manager.lookup(keys[:1]).num_chunks == 0
 
 
 @pytest.mark.parametrize("tiers", ["disk", "redis"])
@@ -224,7 +225,7 @@ def test_a_batch_is_read_in_concurrent_parts_and_every_bad_record_is_removed(ope
 
     tier.get = counted_get
     tensors = outputs(store.spec, 12)
-    result = store.load(keys, tensors).result(10)
+    result = load_tensors(store, keys, tensors).result(10)
     assert most == parts > 1 and not together.broken
     bad = {0, 11} if tiers == "disk" else set()
     assert result.ok == tuple(i not in bad for i in range(12))
@@ -243,7 +244,7 @@ def test_a_record_evicted_as_a_scan_reads_it_is_gone_not_bad(open_store, before_
     path = writer.lower[0].path(keys[1].name)
     before_open(path, path.unlink)  # another process evicts it once the reader listed it
     reader = open_store("disk")
-    assert reader.lookup(keys).num_chunks == 1
+    assert reader.manager.lookup(keys).num_chunks == 1
     counters = reader.stats().tiers["disk"].counters
     assert counters["checksum_failures"] == counters["rejected_records"] == counters["deletes"] == 0
 
@@ -256,7 +257,7 @@ def test_record_of_another_model_under_our_key_is_rejected(open_store):
     path = store.lower[0].path(key.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bytes(forged))
-    assert store.load([key], outputs(store.spec, 1)).result(10).ok == (False,)
+    assert load_tensors(store, [key], outputs(store.spec, 1)).result(10).ok == (False,)
     assert store.stats().tiers["disk"].counters["rejected_records"] == 1
 
 
@@ -265,7 +266,7 @@ def test_other_secret_and_raw_set_are_rejected_in_redis(open_store, redis_server
     reader = open_store("redis", kv_secret="beta")
     keys = save_chunks(writer, range(2))
     redis_server.client().set("kvtier:" + keys[1].name, b"raw bytes from someone else")
-    assert reader.load(keys, outputs(reader.spec, 2)).result(10).ok == (False, False)
+    assert load_tensors(reader, keys, outputs(reader.spec, 2)).result(10).ok == (False, False)
     counters = reader.stats().tiers["redis"].counters
     assert counters["auth_failures"] == 1 and counters["checksum_failures"] == 1
 
@@ -277,8 +278,8 @@ def test_different_models_and_chunk_sizes_never_share(open_store):
     keys = save_chunks(a, range(2))
     for other in (b, c):
         hashes = sequence(0, 8)
-        probe = other.probe(hashes, 0, 8)
-        assert probe.result(10) == 0 and other.locate(hashes, 0, 8) == []
+        probe = other.manager.probe(hashes, 0, 8)
+        assert probe.result(10) == 0 and other.manager.locate(hashes, 0, 8) == []
         assert record_key(other, 0).name != keys[0].name
 
 
@@ -286,9 +287,9 @@ def test_lower_tier_hits_are_promoted_into_cpu(open_store):
     first = open_store("disk")
     keys = save_chunks(first, range(3))
     store = open_store("cpu,disk")
-    assert store.lookup(keys).tiers == ("disk",) * 3
-    assert store.load(keys, outputs(store.spec, 3)).result(10).tiers == ("disk",) * 3
-    assert store.lookup(keys).tiers == ("cpu",) * 3
+    assert store.manager.lookup(keys).tiers == ("disk",) * 3
+    assert load_tensors(store, keys, outputs(store.spec, 3)).result(10).tiers == ("disk",) * 3
+    assert store.manager.lookup(keys).tiers == ("cpu",) * 3
     assert store.stats().counters["promotions"] == 3
 
 
@@ -307,7 +308,7 @@ def test_a_second_process_on_the_directory_learns_new_records_in_the_background(
     payload = save_sequence(writer, 4, 6)
     assert writer.drain(5)
     deadline = time.monotonic() + 10
-    while len(reader.locate(sequence(4, 6), 0, 6)) < 6:
+    while len(reader.manager.locate(sequence(4, 6), 0, 6)) < 6:
         assert time.monotonic() < deadline, "the reader never learnt the writer's records"
         time.sleep(0.02)
     assert bits_equal(load_run(reader, sequence(4, 6), 0, 6)[0], payload)
@@ -318,8 +319,8 @@ def test_a_probe_of_redis_finds_another_instances_blocks(open_store):
     payload = save_sequence(writer, 5, 7)
     reader = open_store("redis")
     hashes = sequence(5, 3) + [block_hash(77, b) for b in range(3, 7)]  # shares 3 blocks
-    assert reader.locate(hashes, 0, 7) == []  # nothing in memory: a lookup does no I/O
-    assert reader.probe(hashes, 0, 7).result(10) == 3
+    assert reader.manager.locate(hashes, 0, 7) == []  # nothing in memory: a lookup does no I/O
+    assert reader.manager.probe(hashes, 0, 7).result(10) == 3
     found, tiers = load_run(reader, hashes, 0, 7)
     assert bits_equal(found, payload[:3]) and tiers == ["redis"]
     assert reader.stats().counters["probe_hit_blocks"] == 3
@@ -330,10 +331,10 @@ def test_prefetch_pulls_records_into_cpu(open_store):
     save_sequence(first, 6, 8)
     store = open_store("cpu,redis")
     hashes = sequence(6, 8)
-    assert store.probe(hashes, 0, 8).result(10) == 8
-    assert store.prefetch_run(store.locate(hashes, 0, 8)).wait(10)
-    assert [loc.record.tiers >= {"cpu"} for loc in store.locate(hashes, 0, 8)] == [True] * 8
-    assert store.prefetch_run(store.locate(hashes, 0, 8)) is None  # nothing left to fetch
+    assert store.manager.probe(hashes, 0, 8).result(10) == 8
+    assert store.transfers.prefetch_run(store.manager.locate(hashes, 0, 8)).wait(10)
+    assert [loc.record.tiers >= {"cpu"} for loc in store.manager.locate(hashes, 0, 8)] == [True] * 8
+    assert store.transfers.prefetch_run(store.manager.locate(hashes, 0, 8)) is None  # nothing left to fetch
     assert store.stats().counters["prefetch_records"] == 2
 
 
@@ -341,16 +342,16 @@ def test_pinned_prefix_survives_heavy_traffic(open_store):
     spec = make_spec()
     store = open_store("cpu", spec, kv_offload_cpu_size=f"{4 * RecordCodec(spec).slot_bytes}B")
     pinned = [record_key(store, i) for i in range(2)]
-    store.pin(pinned, ttl_s=60)  # pinned before it exists, like a system prompt
+    store.manager.pin(pinned, ttl_s=60)  # pinned before it exists, like a system prompt
     save_chunks(store, range(2))
     for i in range(100, 140):
-        store.save([record_key(store, i)], [chunk_payload(spec, i)]).result(10)
-    assert store.lookup(pinned).tiers == ("cpu", "cpu")
+        save_tensors(store, [record_key(store, i)], [chunk_payload(spec, i)]).result(10)
+    assert store.manager.lookup(pinned).tiers == ("cpu", "cpu")
     assert store.stats().pinned_chunks == 2
-    assert store.unpin(pinned) == 2
+    assert store.manager.unpin(pinned) == 2
     for i in range(200, 204):
-        store.save([record_key(store, i)], [chunk_payload(spec, i)]).result(10)
-    assert store.lookup(pinned).num_chunks == 0
+        save_tensors(store, [record_key(store, i)], [chunk_payload(spec, i)]).result(10)
+    assert store.manager.lookup(pinned).num_chunks == 0
 
 
 def test_a_crashed_write_is_counted_and_the_writer_goes_on(open_store, monkeypatch):
@@ -366,15 +367,15 @@ def test_a_crashed_write_is_counted_and_the_writer_goes_on(open_store, monkeypat
         return real_put(items, blocks)
 
     monkeypatch.setattr(disk, "put", broken_once)
-    result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
+    result = save_tensors(store, [record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),) and not result.complete
     assert store.stats().counters["internal_errors"] == 1
-    assert store.save([record_key(store, 1)], [chunk_payload(store.spec, 1)]).result(10).complete
+    assert save_tensors(store, [record_key(store, 1)], [chunk_payload(store.spec, 1)]).result(10).complete
 
 
 def test_pending_write_budget_drops_instead_of_blocking(open_store):
     store = open_store("cpu,disk", kv_max_pending_writes=0)
-    result = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
+    result = save_tensors(store, [record_key(store, 0)], [chunk_payload(store.spec, 0)]).result(10)
     assert result.stored == (frozenset({"cpu"}),)
     assert store.stats().counters["save_dropped_records"] == 1
 
@@ -383,7 +384,7 @@ def gated_disk_store(open_store, slots: int):
     """A cpu,disk store whose cpu tier has `slots` slots and whose disk writes wait for
     the returned event."""
     probe = open_store("cpu")
-    store = open_store("cpu,disk", kv_offload_cpu_size=f"{slots * probe.memory.slot_bytes}B")
+    store = open_store("cpu,disk", kv_offload_cpu_size=f"{slots * probe.host.slot_bytes}B")
     disk, gate = store.lower[0], threading.Event()
     real_put = disk.put
 
@@ -397,11 +398,11 @@ def gated_disk_store(open_store, slots: int):
 
 def test_saves_beyond_the_held_slot_bound_are_deferred_then_written(open_store):
     store, gate = gated_disk_store(open_store, slots=8)  # at most 4 held by writes
-    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(7)]
+    futures = [save_tensors(store, [record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(7)]
     gate.set()
     assert all(f.result(10).complete for f in futures)
     assert store.stats().counters["save_dropped_records"] == 0
-    assert store.lookup([record_key(store, i) for i in range(7)]).num_chunks == 7
+    assert store.manager.lookup([record_key(store, i) for i in range(7)]).num_chunks == 7
 
 
 def test_a_load_never_queues_behind_writes_stuck_in_a_tier(open_store):
@@ -412,9 +413,9 @@ def test_a_load_never_queues_behind_writes_stuck_in_a_tier(open_store):
     first.close()
     store, gate = gated_disk_store(open_store, slots=64)
     try:
-        stuck = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(1, 9)]
+        stuck = [save_tensors(store, [record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(1, 9)]
         out = outputs(store.spec, 1)
-        result = store.load([record_key(store, 0)], out, timeout_s=30).result()
+        result = load_tensors(store, [record_key(store, 0)], out, timeout_s=30).result()
         assert result.tiers == ("disk",) and bits_equal(out[0], chunk_payload(store.spec, 0))
         assert not any(f.done() for f in stuck)  # the writes were still waiting meanwhile
     finally:
@@ -423,7 +424,7 @@ def test_a_load_never_queues_behind_writes_stuck_in_a_tier(open_store):
 
 def test_a_deferred_record_evicted_before_its_turn_is_dropped_and_counted(open_store):
     store, gate = gated_disk_store(open_store, slots=8)
-    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(10)]
+    futures = [save_tensors(store, [record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(10)]
     # 0-3 are held by writes; 4-9 wait, unheld: saving 8 and 9 evicted 4 and 5
     gate.set()
     results = [f.result(10) for f in futures]
@@ -436,13 +437,13 @@ def test_a_deferred_record_evicted_before_its_turn_is_dropped_and_counted(open_s
 
 def test_close_finishes_pending_writes(open_store):
     store = open_store("disk")
-    futures = [store.save([record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(20)]
+    futures = [save_tensors(store, [record_key(store, i)], [chunk_payload(store.spec, i)]) for i in range(20)]
     store.close()
     assert all(f.done() and f.result().complete for f in futures)
     with pytest.raises(StoreClosedError):
-        store.lookup([record_key(store, 0)])
+        store.manager.lookup([record_key(store, 0)])
     again = open_store("disk")
-    assert again.lookup([record_key(again, i) for i in range(20)]).num_chunks == 20
+    assert again.manager.lookup([record_key(again, i) for i in range(20)]).num_chunks == 20
 
 
 def stuck_disk_reads(store: TieredStore) -> threading.Event:
@@ -463,15 +464,15 @@ def test_a_load_of_a_record_another_load_is_reading_is_blocked_until_that_read_t
     gate = stuck_disk_reads(store)
     hashes = sequence(0, BLOCKS)
     try:
-        first = store.open_load(store.locate(hashes, 0, BLOCKS))
+        first = store.transfers.open_load(store.manager.locate(hashes, 0, BLOCKS))
         assert first.num_blocks == BLOCKS and not first.blocked
-        second = store.open_load(store.locate(hashes, 0, BLOCKS))  # the record's slot is the first load's
+        second = store.transfers.open_load(store.manager.locate(hashes, 0, BLOCKS))  # the record's slot is the first load's
         assert second.num_blocks == 0 and second.blocked
         assert first.wait(5)  # timed out: not worth waiting for any more
-        third = store.open_load(store.locate(hashes, 0, BLOCKS))
+        third = store.transfers.open_load(store.manager.locate(hashes, 0, BLOCKS))
         assert third.num_blocks == 0 and not third.blocked
         for load in (first, second, third):
-            store.close_load(load)
+            store.transfers.close_load(load)
     finally:
         gate.set()
 
@@ -481,7 +482,7 @@ def test_close_cancels_a_load_still_reading(open_store):
     save_chunks(store, [0])
     gate = stuck_disk_reads(store)
     try:
-        load = store.open_load(store.locate(sequence(0, BLOCKS), 0, BLOCKS))
+        load = store.transfers.open_load(store.manager.locate(sequence(0, BLOCKS), 0, BLOCKS))
         assert load.num_blocks == BLOCKS and not load.done()
         store.close(timeout_s=1)
         assert load.done() and load.arrived_blocks() == 0  # given up on at once
@@ -494,7 +495,7 @@ def test_close_gives_up_on_a_stuck_tier_in_bounded_time(redis_factory):
     store = TieredStore.from_config(make_spec(), StoreConfig(kv_offload="cpu,redis", kv_redis_url=server.url, kv_redis_op_timeout=30))
     server.pause()
     try:
-        future = store.save([record_key(store, 0)], [chunk_payload(store.spec, 0)])
+        future = save_tensors(store, [record_key(store, 0)], [chunk_payload(store.spec, 0)])
         start = time.monotonic()
         store.close(timeout_s=0.3)
         assert time.monotonic() - start < 3
@@ -525,14 +526,14 @@ def test_redis_outage_is_misses_then_recovery(redis_factory):
         keys = save_chunks(store, range(2))
         server.kill()
         start = time.monotonic()
-        assert store.load(keys, outputs(spec, 2)).result(5).ok == (False, False)
-        assert not store.save([record_key(store, 2)], [chunk_payload(spec, 2)]).result(5).complete
+        assert load_tensors(store, keys, outputs(spec, 2)).result(5).ok == (False, False)
+        assert not save_tensors(store, [record_key(store, 2)], [chunk_payload(spec, 2)]).result(5).complete
         assert time.monotonic() - start < 2
         assert store.stats().tiers["redis"].health == "unhealthy"
         server.start()
         wait_for_health(store, "redis", "healthy")
         save_chunks(store, range(2))
-        assert store.lookup(keys).num_chunks == 2
+        assert store.manager.lookup(keys).num_chunks == 2
     finally:
         store.close()
 
@@ -545,15 +546,15 @@ def test_after_an_outage_records_the_index_knew_in_redis_are_saved_again(redis_f
     store = redis_only_store(server, spec)
     try:
         keys = save_chunks(store, range(3))
-        assert store.lookup(keys).num_chunks == 3
+        assert store.manager.lookup(keys).num_chunks == 3
         server.kill()
         wait_for_health(store, "redis", "unhealthy")
         server.start()  # empty
         wait_for_health(store, "redis", "healthy")
-        assert store.lookup(keys).num_chunks == 0
+        assert store.manager.lookup(keys).num_chunks == 0
         save_chunks(store, range(3))
         assert len(list(server.client().scan_iter("kvtier:*"))) == 3
-        assert store.load(keys, outputs(spec, 3)).result(5).ok == (True, True, True)
+        assert load_tensors(store, keys, outputs(spec, 3)).result(5).ok == (True, True, True)
     finally:
         store.close()
 
@@ -572,7 +573,7 @@ def test_a_redis_restarted_between_two_probes_is_an_outage_though_no_operation_f
         server.start()  # empty
         assert redis.probe()
         assert redis.health.last_error is None  # nothing failed: only the process changed
-        assert store.lookup(keys).num_chunks == 0
+        assert store.manager.lookup(keys).num_chunks == 0
         save_chunks(store, range(3))
         assert len(list(server.client().scan_iter("kvtier:*"))) == 3
     finally:
@@ -586,8 +587,8 @@ def test_a_probe_of_a_stalled_redis_is_bounded_and_lookups_stay_in_memory(redis_
         save_sequence(store, 8, 4)
         server.pause()
         start = time.monotonic()
-        assert len(store.locate(sequence(8, 4), 0, 4)) == 4
-        assert store.probe(sequence(9, 4), 0, 4).result(5) == 0
+        assert len(store.manager.locate(sequence(8, 4), 0, 4)) == 4
+        assert store.manager.probe(sequence(9, 4), 0, 4).result(5) == 0
         assert time.monotonic() - start < 1.5
     finally:
         server.resume()
@@ -602,7 +603,7 @@ def test_load_timeout_always_resolves(redis_factory):
         keys = save_chunks(store, range(2))
         server.pause()
         start = time.monotonic()
-        result = store.load(keys, outputs(spec, 2), timeout_s=0.3).result(5)
+        result = load_tensors(store, keys, outputs(spec, 2), timeout_s=0.3).result(5)
         assert result.ok == (False, False) and time.monotonic() - start < 2
     finally:
         server.resume()
@@ -613,12 +614,12 @@ def test_cluster_store_roundtrip_and_block_index(redis_cluster):
     spec = make_spec(torch.bfloat16)
     with TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=redis_cluster, kv_compress="lz4")) as store:
         keys = save_chunks(store, range(12))
-        assert store.lookup(keys).tiers == ("redis",) * 12
+        assert store.manager.lookup(keys).tiers == ("redis",) * 12
         outs = outputs(store.spec, 12)
-        assert all(store.load(keys, outs).result(10).ok)
+        assert all(load_tensors(store, keys, outs).result(10).ok)
         assert all(bits_equal(o, chunk_payload(store.spec, i)) for i, o in enumerate(outs))
         with TieredStore.from_config(spec, StoreConfig(kv_offload="redis", kv_redis_url=redis_cluster)) as reader:
-            assert reader.probe(sequence(5, BLOCKS), 0, BLOCKS).result(10) == BLOCKS
+            assert reader.manager.probe(sequence(5, BLOCKS), 0, BLOCKS).result(10) == BLOCKS
         assert store.flush().result(30) == {"redis": 12}
 
 
@@ -628,14 +629,14 @@ def test_flush_spares_other_models(open_store):
     save_chunks(mine, range(3))
     other_keys = save_chunks(other, range(2))
     assert mine.flush().result(30) == {"cpu": 3, "disk": 3}
-    assert other.lookup(other_keys).num_chunks == 2
+    assert other.manager.lookup(other_keys).num_chunks == 2
 
 
 def test_stats_snapshot(open_store):
     store = open_store("cpu,disk")
     keys = save_chunks(store, range(2))
-    store.load(keys, outputs(store.spec, 2)).result(10)
-    store.poll()
+    load_tensors(store, keys, outputs(store.spec, 2)).result(10)
+    store.manager.poll()
     snap = store.stats()
     cpu = snap.tiers["cpu"]
     assert cpu.counters["hits"] == 2 and cpu.hit_tokens == 2 * store.spec.chunk_tokens
@@ -659,10 +660,10 @@ def test_misuse_raises_specific_errors(open_store):
     store = open_store("cpu")
     key = record_key(store, 0)
     with pytest.raises(ChunkSpecError):
-        store.save([key], [torch.zeros(3)])
+        save_tensors(store, [key], [torch.zeros(3)])
     with pytest.raises(ChunkSpecError):
-        store.load([key], [torch.zeros(store.spec.shape, dtype=torch.float16)])
+        load_tensors(store, [key], [torch.zeros(store.spec.shape, dtype=torch.float16)])
     with pytest.raises(StoreConfigError):
-        store.key([b"short"])
+        store.manager.key([b"short"])
     with pytest.raises(StoreConfigError):
-        store.key(sequence(0, BLOCKS), first_block=1)
+        store.manager.key(sequence(0, BLOCKS), first_block=1)
