@@ -130,7 +130,7 @@ class Worker:
             return planned.block_ids[first : first + count] if count > 0 and copies.claim(index) else []
 
         def arrived(index: int) -> None:
-            if load.parts[index].tier is None:
+            if load.part_tier(index) is None:
                 return
             blocks = claimed_blocks(index)
             if not blocks:
@@ -174,7 +174,8 @@ class Worker:
         event = None
         offset = 0
         for index, part in enumerate(load.parts):
-            if left <= 0 or part.tier is None:
+            tier = load.part_tier(index)
+            if left <= 0 or tier is None:
                 break
             count = min(part.count, left)
             if index not in copied:
@@ -182,7 +183,7 @@ class Worker:
                     self.transfers.view(part)[:count], planned.block_ids[offset : offset + count]
                 )
             tokens = count * self.block_size
-            self.counters.loaded_tokens_by_tier[part.tier] = self.counters.loaded_tokens_by_tier.get(part.tier, 0) + tokens
+            self.counters.loaded_tokens_by_tier[tier] = self.counters.loaded_tokens_by_tier.get(tier, 0) + tokens
             self.counters.loaded_tokens += tokens
             offset += count
             left -= count

@@ -119,7 +119,9 @@ class StoreManager:
         self.lower = list(parts.lower)
         self.tiers = list(tiers)
         self.counters = parts.counters
-        self.index = BlockIndex([t.name for t in self.tiers], spec.blocks_per_chunk)
+        self._blocks_per_chunk = spec.blocks_per_chunk
+        self._block_bytes = spec.block_bytes
+        self.index = BlockIndex([t.name for t in self.tiers], self._blocks_per_chunk)
         self.closed = False
         self._read_pool = read_pool
         self._recoveries = {t.name: t.health.recoveries for t in self.lower if t.remote}
@@ -140,7 +142,7 @@ class StoreManager:
 
     def chunk_keys(self, block_hashes: Sequence[bytes], block_size: int) -> list[ChunkKey]:
         """Keys of every full record of a sequence, given all its full-block hashes."""
-        if self.spec.chunk_tokens // block_size != self.spec.blocks_per_chunk:
+        if self.spec.chunk_tokens // block_size != self._blocks_per_chunk:
             raise StoreConfigError(f"block size {block_size} does not match the store's chunks")
         return self.keyer.chunk_keys(block_hashes)
 
@@ -282,7 +284,7 @@ class StoreManager:
             self.host.counters.observe_get(copy_seconds)
         for part in load.parts:
             if part.read is None:  # a prefetched record's hit was counted by the tier it came from
-                self.host.counters.add(hits=int(part.origin is None), bytes_read=part.count * self.spec.block_bytes)
+                self.host.counters.add(hits=int(part.origin is None), bytes_read=part.count * self._block_bytes)
                 self.host.release(part.slot)
         self.settle_reads([p.read for p in load.parts if p.read is not None])
 
@@ -497,7 +499,7 @@ class StoreManager:
             check_key(name)
         except (UnicodeDecodeError, ValueError, TierConfigError):
             return None
-        if not name.startswith(self.keyer.namespace) or not 1 <= num_blocks <= self.spec.blocks_per_chunk:
+        if not name.startswith(self.keyer.namespace) or not 1 <= num_blocks <= self._blocks_per_chunk:
             return None
         try:
             self.parts.block_hash_of(name)

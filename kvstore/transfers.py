@@ -79,6 +79,11 @@ class Load:
         if read is not None:
             read.destination = destination
 
+    def part_tier(self, index: int) -> str | None:
+        """`LoadPart.tier` of part `index`: where its blocks came from, None while they
+        have not (or will not) arrive."""
+        return self.parts[index].tier
+
     def arrived_blocks(self) -> int:
         """Blocks of the leading run of parts that arrived (once done)."""
         total = 0
@@ -111,7 +116,13 @@ class Transfers:
         self.spec = spec
         self.manager = manager
         self.host = parts.host
-        self._codec = parts.codec
+        # The host slots' memory as one row of bytes per slot, and the layout of the
+        # blocks in a slot's payload, read once: a view is made per part of every load.
+        self._slots = parts.host.slab.view(parts.host.num_slots, parts.host.slot_bytes)
+        self._payload_offset = parts.codec.payload_offset
+        self._block_bytes = spec.block_bytes
+        self._block_shape = spec.block_shape
+        self._dtype = spec.dtype
         self._loader = loader
         self._writer = writer
         self._load_timeout = manager.config.kv_load_timeout
@@ -196,6 +207,6 @@ class Transfers:
         return self._writer.all_tiers
 
     def _blocks(self, slot: int, position: int, count: int) -> torch.Tensor:
-        start = self._codec.payload_offset + position * self.spec.block_bytes
-        raw = self.host.tensor(slot)[start : start + count * self.spec.block_bytes]
-        return raw.view(self.spec.dtype).view(count, *self.spec.block_shape)
+        start = self._payload_offset + position * self._block_bytes
+        raw = self._slots[slot, start : start + count * self._block_bytes]
+        return raw.view(self._dtype).view(count, *self._block_shape)

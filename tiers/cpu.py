@@ -256,11 +256,6 @@ class CpuTier(Tier):
             buffer = self._buffers[slot] = memoryview(self._rows[slot])
         return buffer
 
-    def tensor(self, slot: int) -> torch.Tensor:
-        """The slot as a uint8 tensor (views of it share the slab's memory)."""
-        start = slot * self.slot_bytes
-        return self.slab[start : start + self.slot_bytes]
-
     def reserve(self, name: str) -> int:
         """A free slot for writing `name`, evicting the policy's first unheld, unpinned
         record if needed. ALREADY_PRESENT if `name` is committed or being
