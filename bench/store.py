@@ -11,9 +11,11 @@ in the same run on the same bytes:
 - redis: raw-socket RESP SET/GET of the same bytes to the same redis-server, pipelined in
          the same batches, read with recv_into into preallocated buffers.
 
-The store's get is the engine's load path: the records of a batch are located in the
-index and read into host slots, verified in place (for cpu, also copied out of the slots,
-as the engine copies them to the device). The best of --repeats runs is kept for every
+The store's put is the engine's save path (bench/store_io.py: a host slot reserved, the
+chunk copied into it, committed to the write-behind); its get is the engine's load path:
+the records of a batch are located in the manager's index and read into host slots,
+verified in place (for cpu, also copied out of the slots, as the engine copies them to
+the device). The best of --repeats runs is kept for every
 figure, and the median of the per-run store / reference ratios (targets: get at least
 80%, put at least 50%). Compression: lz4 on the whole payload
 vs lz4 on the sign/exponent byte plane only, on (1) real KV of the built-in

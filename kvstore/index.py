@@ -1,7 +1,7 @@
 """BlockIndex: which stored record holds each block, and which tiers hold each record.
 
 Owned by the engine thread (no lock): tiers report what they store and drop through the
-store's event queue, applied by `TieredStore.poll`. A record holds blocks
+store's event queue, applied by `StoreManager.poll`. A record holds blocks
 `[first_block, first_block + n)` of a sequence, with `first_block` a multiple of
 `blocks_per_chunk`, so block `k` of a sequence sits at position `k - first_block` of any
 record that holds it. Every block hash maps to the records holding it (usually one; a

@@ -1,6 +1,6 @@
 """Reads of records from the record tiers into reserved host slots, verified in place.
 
-A `RecordRead` is one record a load or a prefetch needs: the store reserved its slot and
+A `RecordRead` is one record a load or a prefetch needs: the manager reserved its slot and
 says which tiers should hold it (per its index; None: ask every record tier). A
 `ReadBatch` is the reads of one load or prefetch, split into parts that the read pool
 reads concurrently: each part is one blocking task that asks the tiers in order (disk,

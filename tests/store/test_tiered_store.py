@@ -1,6 +1,7 @@
 """TieredStore end to end on real tiers: round trips, the block index (any shared run of
 blocks, after a restart, from another process), failures as misses, promotion without a
-copy, prefetch, pins, supervision, shutdown."""
+copy, prefetch, pins, supervision, shutdown. Records go in and out over the engine's
+path: the manager's locate and the transfers' loads and saves (bench/store_io.py)."""
 
 from __future__ import annotations
 
