@@ -72,14 +72,18 @@ def salt_extra(cache_salt: str | None) -> bytes:
     return b"salt" + struct.pack("<I", len(salt)) + salt
 
 
+if array("I").itemsize != 4:
+    raise ImportError("array('I') is not 32-bit on this platform; block hashes need uint32 tokens")
+_BIG_ENDIAN = struct.pack("=I", 1) != struct.pack("<I", 1)
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian uint32, as the block hash chain takes them."""
     try:
         packed = array("I", tokens)
     except OverflowError:
         raise ValueError("token ids must be in [0, 2**32) to be hashed") from None
-    if packed.itemsize != 4:
-        raise RuntimeError("array('I') is not 32-bit on this platform")
-    if struct.pack("=I", 1) != struct.pack("<I", 1):
+    if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
 
@@ -96,12 +100,21 @@ class BlockHasher:
         self.block_size = block_size
 
     def extend(self, hashes: list[bytes], token_ids: Sequence[int], cache_salt: str | None) -> None:
-        """Append the hashes of every newly full block of `token_ids` to `hashes`."""
+        """Append the hashes of every newly full block of `token_ids` to `hashes`. The
+        new blocks' tokens are packed once, then hashed block by block from that buffer
+        (a long prompt's chain is one pass, not one packing per block)."""
         bs = self.block_size
-        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
-            parent = hashes[-1] if hashes else self.seed
-            extra = salt_extra(cache_salt) if start == 0 else b""
-            hashes.append(hash_block(parent, token_ids[start : start + bs], extra))
+        first = len(hashes) * bs
+        full = (len(token_ids) - first) // bs * bs
+        if full <= 0:
+            return
+        packed = memoryview(_token_bytes(token_ids[first : first + full]))
+        parent = hashes[-1] if hashes else self.seed
+        step = bs * 4
+        for offset in range(0, full * 4, step):
+            extra = salt_extra(cache_salt) if first == 0 and offset == 0 else b""
+            parent = hashlib.sha256(parent + packed[offset : offset + step] + extra).digest()
+            hashes.append(parent)
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         out: list[bytes] = []

@@ -65,7 +65,9 @@ Text = Annotated[str, AfterValidator(check_unicode)]
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+    """A list of non-negative ints, maybe empty (bools are not token ids). Checked in C
+    (`map`, `set`, `min`): a long prompt's ids are thousands of items."""
+    return isinstance(value, list) and (not value or (set(map(type, value)) == {int} and min(value) >= 0))
 
 
 def parse_prompt(value: Any) -> Prompts:
