@@ -15,7 +15,9 @@ device cache (its `vllm:prefix_cache_hits` counter) and from anywhere
 (`usage.prompt_tokens_details.cached_tokens`), the router's predicted device tokens (its
 /metrics), and the mean TTFT of the rounds after the first. Then the router's own cost:
 the latency of one request of --latency-tokens, routed (policy kv over one instance, so
-it tokenizes, hashes and scores) and direct to that instance, interleaved. Last, with the
+it tokenizes, hashes and scores) and direct to that instance, interleaved, and the
+router's own time on those requests before sending them (its routing histogram, as bucket
+bounds). Last, with the
 shared Redis, prefill/decode disaggregation: the longest inter-token gap of --streams
 running decodes while --long-prompts long prompts arrive, the same instances colocated
 (round-robin) and disaggregated (the first prefills, the others decode).
@@ -313,10 +315,26 @@ def router_latency(args: argparse.Namespace, server: ServerProcess, corpus: Corp
             for url in pair:
                 latency = complete(client, url, prompt, 1, "latency")[1]
                 (direct if url == server.url else routed).append(latency)
+        own = routing_buckets(front.url)  # the warm-up's and the measured requests'
     added = [r - d for r, d in zip(routed, direct, strict=True)]
     return {"direct_p50_ms": percentile(direct, 50), "routed_p50_ms": percentile(routed, 50),
             "added_p50_ms": percentile(added, 50), "added_p99_ms": percentile(added, 99),
+            "own_p50_ms": bucket_quantile(own, 0.50) * 1e3, "own_p99_ms": bucket_quantile(own, 0.99) * 1e3,
             "requests": args.latency_requests}
+
+
+def routing_buckets(url: str) -> list[tuple[float, float]]:
+    """The router's `kvtier:router_routing_seconds` histogram: (upper bound, cumulative count)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sorted((float(s.labels["le"]), s.value) for family in text_string_to_metric_families(text)
+                  if family.name == "kvtier:router_routing_seconds"
+                  for s in family.samples if s.name.endswith("_bucket"))
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The upper bound of the bucket that holds quantile `q` (an upper bound on it)."""
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= q * total)
 
 
 def stalls(args: argparse.Namespace, front_url: str, corpus: CorpusTokens, rng: random.Random, salt: str) -> dict:
@@ -414,7 +432,10 @@ def render(result: dict) -> str:
                               "shared docs later TTFT ms"], rows)
             + f"\nRouter's added latency on a {args['latency_tokens']}-token request ({latency['requests']} pairs): "
               f"p50 {latency['added_p50_ms']:.2f} ms, p99 {latency['added_p99_ms']:.2f} ms "
-              f"(direct p50 {latency['direct_p50_ms']:.1f} ms, routed p50 {latency['routed_p50_ms']:.1f} ms)\n")
+              f"(direct p50 {latency['direct_p50_ms']:.1f} ms, routed p50 {latency['routed_p50_ms']:.1f} ms)"
+            + (f"; the router's own time before sending (its kvtier:router_routing_seconds histogram): "
+               f"p50 <= {latency['own_p50_ms']:g} ms, p99 <= {latency['own_p99_ms']:g} ms" if "own_p50_ms" in latency
+               else "") + "\n")
     if "disaggregation" in result:
         runs = result["disaggregation"]
         text += (f"\nDisaggregation: {args['streams']} decode streams while {args['long_prompts']} prompts of "
@@ -448,7 +469,10 @@ def describe(result: dict) -> str:
             f"{runs['colocated']['long_ttft_mean_ms']:.0f} ms.")
     latency = result["latency"]
     sentences.append(f"The router added {latency['added_p50_ms']:.2f} ms at p50 and {latency['added_p99_ms']:.2f} ms "
-                     f"at p99 to a {result['args']['latency_tokens']}-token request.")
+                     f"at p99 to a {result['args']['latency_tokens']}-token request"
+                     + (f", of which its own work before sending was at most {latency['own_p50_ms']:g} ms at p50 "
+                        f"and {latency['own_p99_ms']:g} ms at p99 (the rest is the extra hop and the instance's "
+                        f"own variation between the paired requests)." if "own_p50_ms" in latency else "."))
     return " ".join(sentences)
 
 

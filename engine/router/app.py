@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any
@@ -212,10 +213,12 @@ async def _forward(router: Router, scope: dict, receive: Callable, send: Callabl
     if raw is None:
         return  # the client left before sending its body
     path = scope["path"]
+    started = time.perf_counter()
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         body = None  # the instance answers it with its own 400
+    parsed_s = time.perf_counter() - started
     headers = _request_headers(scope["headers"])
     task = asyncio.current_task()
     finished = False
@@ -232,7 +235,9 @@ async def _forward(router: Router, scope: dict, receive: Callable, send: Callabl
             if isinstance(body, dict):
                 await _prefill(router, path, body, scope["headers"])
             urls = router.config.decode_urls
+        ranking_started = time.perf_counter()
         ranking, prompt = await router.rank(path, body, _session(scope["headers"]), urls)
+        router.metrics.routing.observe(parsed_s + time.perf_counter() - ranking_started)
         if not ranking:
             router.metrics.unrouted.inc()
             raise _no_instance()

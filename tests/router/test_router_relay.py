@@ -87,6 +87,7 @@ def test_answers_pass_through_and_connections_are_kept_alive(tokenizer_dir):
             assert instance.requests[0].headers["content-type"] == "application/json"
             assert await metric(client, "kvtier:router_reported_cached_tokens_total") == 3 * 2
             assert await metric(client, "kvtier:router_predicted_cached_tokens_total") == 0
+            assert await metric(client, "kvtier:router_routing_seconds_count") == 6  # each request timed once
 
     run(test)
 
