@@ -34,10 +34,10 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from kvstore.errors import KeyMismatchError, RecordError
 from kvstore.parts import Finding, StoreParts
@@ -46,7 +46,6 @@ from tiers.base import Buffer, RecordTier
 if TYPE_CHECKING:
     from kvstore.record import RecordHeader
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # Threads of the read pool: a batch is read in up to this many concurrent parts, the
@@ -158,7 +157,9 @@ class ReadBatch:
 class Loader:
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
+        # Also runs the other reads a request waits for: probes of a remote tier's block
+        # index (the manager submits them here).
+        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-read")
         self._started: list[ReadBatch] = []  # possibly still in flight
 
     def batch(self, reads: Sequence[RecordRead], timeout_s: float) -> ReadBatch:
@@ -174,18 +175,13 @@ class Loader:
             return
         batch.deadline = time.monotonic() + batch.timeout_s
         batch.running = set(range(len(batch.parts)))
-        batch.futures = [self._pool.submit(self._read_part, batch, i) for i in range(len(batch.parts))]
+        batch.futures = [self.pool.submit(self._read_part, batch, i) for i in range(len(batch.parts))]
         self._started = [b for b in self._started if b.running] + [batch]
-
-    def submit(self, job: Callable[[], T]) -> Future[T]:
-        """Run `job` on the read pool: a read a request waits for (a probe of a remote
-        tier's block index)."""
-        return self._pool.submit(job)
 
     def close(self) -> None:
         """Stop taking reads and settle those in flight as misses; their tasks finish by
         themselves (their tiers' own timeouts bound them) and give their slots back."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         for batch in self._started:
             batch.give_up("the store closed during a load")
 

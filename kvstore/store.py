@@ -83,7 +83,7 @@ class TieredStore:
         self._loader = Loader(parts)
         self._writer = WriteBehind(parts, self.config.kv_max_pending_writes, self.config.kv_write_workers)
         self._upkeep = Upkeep()
-        self.manager = StoreManager(spec, parts, self.config, self.pins, self.tiers, self._loader.submit)
+        self.manager = StoreManager(spec, parts, self.config, self.pins, self.tiers, self._loader.pool.submit)
         self.transfers = Transfers(spec, parts, self.manager, self._loader, self._writer)
         listable = [t for t in self.lower if self.manager.discover(t)]
         self.manager.poll()
