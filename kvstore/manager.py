@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kvstore.errors import RecordError, StoreClosedError, StoreConfigError
 from kvstore.index import BlockIndex, BlockLocation, StoredRecord
-from kvstore.loading import ReadState, RecordRead
+from kvstore.loading import ReadBatch, ReadState, RecordRead
 from kvstore.parts import Finding, StoreParts
 from tiers.base import ALREADY_PRESENT, NO_ROOM, RecordTier, Tier, check_key
 from tiers.errors import TierConfigError
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from kvstore.spec import ChunkSpec
     from kvstore.transfers import Load
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 HOST = "cpu"  # the tier name of the host slots when they keep records
@@ -125,7 +124,7 @@ class StoreManager:
         self.closed = False
         self._read_pool = read_pool
         self._recoveries = {t.name: t.health.recoveries for t in self.lower if t.remote}
-        self._prefetches: list = []  # kvstore.loading.ReadBatch of prefetches not settled
+        self._prefetches: list[ReadBatch] = []  # prefetches not settled
         self._reading: dict[str, RecordRead] = {}  # started, not settled yet
         self._probes: list[_Probe] = []  # out, not applied yet
         self._probe_timeout_logged = False  # see _probe_timed_out
@@ -304,8 +303,8 @@ class StoreManager:
             reads.append(read)
         return reads
 
-    def track_prefetch(self, batch: object) -> None:
-        """A started prefetch batch (kvstore.loading.ReadBatch), settled by `poll` once done."""
+    def track_prefetch(self, batch: ReadBatch) -> None:
+        """A started prefetch batch, settled by `poll` once done."""
         self._prefetches.append(batch)
 
     def prepare_save(self, key: ChunkKey) -> int | None:
