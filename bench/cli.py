@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 from bench import common, console
 
@@ -74,7 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return module.main(args.bench_args)
     common.set_results_dir(args.output_dir)
     log = args.output_dir / f"{args.workload}.log"
-    with console.captured(log):
+    with _sigterm_unwinds(), console.captured(log):
         status = module.main(args.bench_args)
     console.echo(f"results in {args.output_dir}/{args.workload}.{{json,md,png}}; log in {log}")
     return status
@@ -85,6 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier-bench", description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
     return run_bench(parser.parse_args(argv))
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (`kill`, a job's time limit) ends a run as Ctrl-C does, through every
+    `finally`: the servers, neighbour processes and Redis a workload started are stopped
+    with it, not left running to skew whatever runs next. Python's default would end the
+    process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

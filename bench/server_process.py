@@ -46,7 +46,11 @@ class ServerProcess:
         self.url = ""
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # a test's time limit or Ctrl-C while it starts: leave no server behind
+            self.stop(signal.SIGKILL, timeout=10)
+            raise
 
     @property
     def pid(self) -> int:
