@@ -88,8 +88,13 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def _chain(parent: bytes, packed: bytes | memoryview, extra: bytes) -> bytes:
+    """One link of the block hash chain, from a block's packed tokens."""
+    return hashlib.sha256(parent + packed + extra).digest()
+
+
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
-    return hashlib.sha256(parent + _token_bytes(tokens) + extra).digest()
+    return _chain(parent, _token_bytes(tokens), extra)
 
 
 class BlockHasher:
@@ -110,11 +115,12 @@ class BlockHasher:
             return
         packed = memoryview(_token_bytes(token_ids[first : first + full]))
         parent = hashes[-1] if hashes else self.seed
+        extra = salt_extra(cache_salt) if first == 0 else b""  # the sequence's first block only
         step = bs * 4
         for offset in range(0, full * 4, step):
-            extra = salt_extra(cache_salt) if first == 0 and offset == 0 else b""
-            parent = hashlib.sha256(parent + packed[offset : offset + step] + extra).digest()
+            parent = _chain(parent, packed[offset : offset + step], extra)
             hashes.append(parent)
+            extra = b""
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         out: list[bytes] = []
