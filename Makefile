@@ -9,7 +9,7 @@ install:
 	$(PYTHON) -m kvkernels   # the C++ CPU kernels, built once for this CPU and torch
 
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 tests   # two workers: much of the suite waits on servers it started
 
 lint:
 	ruff check .

@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 from bench.redis_server import RedisServer, find_redis_server
+from engine.cpu_threads import default_wait_policy
+
+# Waiting OpenMP threads sleep, as in the processes kvtier owns: the suite runs in two
+# workers, and one worker's engine spinning between ops would take the other's core.
+# Nothing above imports torch; libgomp reads the setting once, when torch loads it.
+default_wait_policy()
 
 
 @pytest.fixture(scope="session")
