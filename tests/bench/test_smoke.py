@@ -107,7 +107,7 @@ def test_long_doc_qa_result_has_paired_concurrent_and_floor_table(smoke_run) -> 
     assert set(result["paired"]["rounds"]) == {"device-hit", "none", "cpu", "disk"}
     assert set(result["concurrent"]) == {"none@2", "cpu@2", "disk@2"}
     markdown = (directory / "long-doc-qa.md").read_text()
-    assert "| TTFT / floor |" in markdown
+    assert "| TTFT / floor |" in markdown and "| load / transfer |" in markdown
     assert "| cpu | 2 | cpu |" in markdown  # round 2 loads the evicted documents from the cpu tier
 
 
