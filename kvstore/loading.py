@@ -3,9 +3,10 @@
 A `RecordRead` is one record a load or a prefetch needs: the manager reserved its slot and
 says which tiers should hold it (per its index; None: ask every record tier). A
 `ReadBatch` is the reads of one load or prefetch, split into parts that the read pool
-reads concurrently: each part is one blocking task that asks the tiers in order (disk,
-then redis) for what is still missing (a remote tier even when the index does not name
-it, as another process may have written the record there) with one batch call that
+reads concurrently (small records grouped, a large one alone): each part is one
+blocking task that asks the tiers in order (disk, then redis) for what is still missing
+(a remote tier even when the index does not name it, as another process may have
+written the record there) with one batch call that
 reads into the slots' record regions, verifies each record there (kvstore.record,
 `settle_in_slot`) and checks it against what the index knows of it (first block,
 length, block hashes). The task returns nothing to anyone: it leaves on each read where
@@ -48,10 +49,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Threads of the read pool: a batch is read in up to this many concurrent parts, the
-# records of a part verified in their slots (xxh3) while the others are still in flight,
-# and Redis reads them over as many connections.
+# Threads of the read pool: a batch's parts are read this many at a time, the records of
+# a part verified in their slots (xxh3) while the others are still in flight, and Redis
+# reads them over as many connections.
 READ_THREADS = 4
+# Records up to this size share a part (one round trip, one task); a larger one is a part
+# of its own, so that its copy into the KV cache starts as soon as it is in, while the
+# pool goes on reading the next (a part's future completes when all its records have).
+PART_BYTES = 1 << 20
 
 
 class ReadState(enum.Enum):
@@ -165,7 +170,8 @@ class Loader:
     def batch(self, reads: Sequence[RecordRead], timeout_s: float) -> ReadBatch:
         """The reads as a batch, not started (`start`): its reads may first be offered a
         destination."""
-        size = -(-len(reads) // READ_THREADS) or 1
+        largest = max((r.num_blocks for r in reads), default=1) * self._parts.codec.spec.block_bytes
+        size = max(1, min(-(-len(reads) // READ_THREADS), PART_BYTES // largest))
         parts = [list(reads[i : i + size]) for i in range(0, len(reads), size)]
         return ReadBatch(list(reads), parts, timeout_s)
 
