@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -51,8 +52,10 @@ log = logging.getLogger(__name__)
 
 # Threads of the read pool: a batch's parts are read this many at a time, the records of
 # a part verified in their slots (xxh3) while the others are still in flight, and Redis
-# reads them over as many connections.
-READ_THREADS = 4
+# reads them over as many connections. Four, but not more than the CPUs this process may
+# run on (two at least): on two cores, more readers only contend with the copies into
+# the KV cache and with a local redis-server's sends.
+READ_THREADS = min(4, max(2, len(os.sched_getaffinity(0))))
 # Records up to this size share a part (one round trip, one task); a larger one is a part
 # of its own, so that its copy into the KV cache starts as soon as it is in, while the
 # pool goes on reading the next (a part's future completes when all its records have).
