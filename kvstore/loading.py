@@ -6,10 +6,9 @@ says which tiers should hold it (per its index; None: ask every record tier). A
 reads concurrently (small records grouped, a large one alone): each part is one
 blocking task that asks the tiers in order (disk, then redis) for what is still missing
 (a remote tier even when the index does not name it, as another process may have
-written the record there) with one batch call that
-reads into the slots' record regions, verifies each record there (kvstore.record,
-`settle_in_slot`) and checks it against what the index knows of it (first block,
-length, block hashes). The task returns nothing to anyone: it leaves on each read where
+written the record there) with one batch call that reads into the slots' record
+regions, verifies each record there (kvstore.record, `settle_in_slot`) and checks it
+against what the index knows of it (first block, length, block hashes). The task returns nothing to anyone: it leaves on each read where
 the record came from, and queues what it learnt (tier T holds record R, or does not) as
 findings that the engine thread applies to the index when it polls (kvstore.manager), in
 order: a finding of before a remote tier's outage is dropped with what the index knew
