@@ -1,11 +1,11 @@
 """The instances behind the router: their health, load and facts (/instance), each
 with its KV event stream feeding the FleetIndex.
 
-Every `--health-check-interval` each instance's /health, /instance and /metrics are
-read. One that fails (or fails a request before its first byte) leaves the pool, and
-the index forgets it; one that answers again, comes back as a new process (a new
-`instance_id`) or whose event stream failed, joins again with a fresh event stream, which
-first replays what the instance still buffers."""
+Every `--health-check-interval` each instance's /load is read (its load, and its
+`instance_id`), and its /instance when that is new. One that fails (or fails a request
+before its first byte) leaves the pool, and the index forgets it; one that answers again,
+comes back as a new process (a new `instance_id`) or whose event stream failed, joins again
+with a fresh event stream, which first replays what the instance still buffers."""
 
 from __future__ import annotations
 
@@ -14,19 +14,16 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.router.event_stream import EventStream
 from engine.router.fleet_index import FleetIndex
 from engine.router.upstream import Upstream, UpstreamError
-from engine.server.instance_info import InstanceInfo
+from engine.server.instance_info import InstanceInfo, InstanceLoad
 
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 5.0
-_LOAD_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:kv_cache_usage_perc": "kv_usage"}
-_LOAD_SAMPLE_PREFIXES = tuple(f"{name}{end}" for name in _LOAD_GAUGES for end in ("{", " "))
 
 
 @dataclass(eq=False)
@@ -71,28 +68,30 @@ class WorkerPool:
     async def check(self, worker: Worker) -> None:
         try:
             async with asyncio.timeout(CHECK_TIMEOUT_S):
-                status, _ = await worker.upstream.get("/health")
+                status, body = await worker.upstream.get("/load")
                 if status >= 400:
-                    raise UpstreamError(f"/health answered {status}")
-                info = InstanceInfo.model_validate_json((await worker.upstream.get("/instance"))[1])
-                metrics = (await worker.upstream.get("/metrics"))[1].decode("utf-8", "replace")
+                    raise UpstreamError(f"/load answered {status}")
+                load = InstanceLoad.model_validate_json(body)
+                stream_failed = worker.stream is not None and not worker.stream.alive
+                known = worker.info is not None and worker.info.instance_id == load.instance_id
+                info = None if known and not stream_failed else InstanceInfo.model_validate_json(
+                    (await worker.upstream.get("/instance"))[1])
         except (UpstreamError, TimeoutError, ValidationError) as exc:
             if worker.healthy:
                 log.warning("router: %s leaves the pool (%s)", worker.url, exc)
             self.leave(worker)
             return
-        refused = self._refuse(worker.url, info)
-        if refused is not None:
-            if worker.refused != str(refused):
-                log.error("router: %s stays out of the pool (%s)", worker.url, refused)
-            worker.refused = str(refused)
-            self.leave(worker)
-            return
-        worker.refused = None
-        stream_failed = worker.stream is not None and not worker.stream.alive
-        if worker.info is None or info.instance_id != worker.info.instance_id or stream_failed:
+        if info is not None:
+            refused = self._refuse(worker.url, info)
+            if refused is not None:
+                if worker.refused != str(refused):
+                    log.error("router: %s stays out of the pool (%s)", worker.url, refused)
+                worker.refused = str(refused)
+                self.leave(worker)
+                return
+            worker.refused = None
             await self._join(worker, info)
-        self._read_load(worker, metrics)
+        self._read_load(worker, load)
         worker.healthy = True
 
     def leave(self, worker: Worker) -> None:
@@ -124,21 +123,11 @@ class WorkerPool:
         log.info("router: %s joins the pool (%s)", worker.url, info.model)
 
     @staticmethod
-    def _read_load(worker: Worker, text: str) -> None:
-        """The instance's gauges. Its waiting count less the router's requests in flight
+    def _read_load(worker: Worker, load: InstanceLoad) -> None:
+        """The instance's load. Its waiting count less the router's requests in flight
         there: those count already, and without the subtraction a request that was
-        waiting (for a Redis lookup, say) when the gauge was read would count against the
+        waiting (for a Redis lookup, say) when the load was read would count against the
         instance until the next check, long after it finished there, steering the kv
         policy away from the instance that holds its KV."""
-        for family in text_string_to_metric_families(_load_lines(text)):
-            attribute = _LOAD_GAUGES.get(family.name)
-            if attribute is not None and family.samples:
-                setattr(worker, attribute, sum(s.value for s in family.samples))
-        worker.waiting = max(0.0, worker.waiting - worker.in_flight)
-
-
-def _load_lines(text: str) -> str:
-    """The samples of the load gauges in an instance's /metrics. The whole page (about 30 KB,
-    mostly histograms) takes tens of milliseconds to parse, on the event loop that relays
-    every request; its few gauge lines take microseconds."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_LOAD_SAMPLE_PREFIXES))
+        worker.kv_usage = load.kv_cache_usage_perc
+        worker.waiting = max(0.0, load.num_requests_waiting - worker.in_flight)

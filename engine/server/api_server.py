@@ -22,7 +22,7 @@ from engine.server import admin, tokenize_api
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.body_decoder import BodyDecoder
 from engine.server.errors import APIError, install_error_handlers
-from engine.server.instance_info import InstanceInfo
+from engine.server.instance_info import InstanceInfo, InstanceLoad, instance_load
 from engine.server.listen import bind_socket
 from engine.server.middleware import BodyLimitsMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -121,6 +121,16 @@ async def version() -> dict[str, str]:
 async def instance(request: Request) -> InstanceInfo:
     """What `kvtier router` needs to route here by cache (engine/server/instance_info.py)."""
     return _state(request).instance
+
+
+@router.get("/load")
+async def load(request: Request) -> InstanceLoad:
+    """The engine's load for a router's periodic check (engine/server/instance_info.py);
+    503 once the engine is gone, as /health."""
+    state = _state(request)
+    if not state.engine.is_healthy:
+        raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+    return instance_load(state.instance.instance_id, state.engine.stats)
 
 
 @router.get("/metrics")

@@ -1,7 +1,7 @@
 """`--api-key`: every /v1/ request needs `Authorization: Bearer <key>`, as in vLLM and
 OpenAI, and so do /tokenize and /detokenize (vLLM serves them outside /v1, unguarded;
-here they cost tokenizer work as a prompt does); /health, /ready, /metrics and /version
-stay open (load balancers and scrapers carry no key), and /kv/ has its own admin token.
+here they cost tokenizer work as a prompt does); /health, /ready, /load, /metrics and
+/version stay open (load balancers, routers and scrapers carry no key), and /kv/ has its own admin token.
 Refused requests get OpenAI's 401 body before their body is read."""
 
 from __future__ import annotations

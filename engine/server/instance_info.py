@@ -1,13 +1,15 @@
 """GET /instance: what a router needs to know of this instance to route to it by cache
 (`kvtier router`, engine/router): the model and tokenizer (to tokenize requests as this
 instance does), the block hash settings (to name their blocks as this instance does), the
-tiers, the shared store it loads from, and where it publishes its KV events."""
+tiers, the shared store it loads from, and where it publishes its KV events. GET /load:
+what changes from step to step, its load."""
 
 from __future__ import annotations
 
 import hashlib
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -43,6 +45,26 @@ class InstanceInfo(BaseModel):
     # the same value on every instance that loads from the same Redis and key prefix
     shared_store: str | None
     kv_events: EventEndpoints | None
+
+
+class InstanceLoad(BaseModel):
+    """GET /load: the instance's load as of its latest step, for a router's periodic check
+    (a few numbers, where reading them from /metrics would render the whole page on the
+    event loop the instance streams from). `server_load` is vLLM's /load field."""
+
+    instance_id: str  # as in /instance: a router that sees it change reads /instance again
+    server_load: int  # requests in the engine: running and waiting
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+
+
+def instance_load(instance_id: str, stats: Mapping[str, Any]) -> InstanceLoad:
+    """The load in the engine's published `stats` (an engine that has not stepped yet: none)."""
+    running = int(stats.get("num_requests_running", 0))
+    waiting = int(stats.get("num_requests_waiting", 0))
+    return InstanceLoad(instance_id=instance_id, server_load=running + waiting, num_requests_running=running,
+                        num_requests_waiting=waiting, kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)))
 
 
 def instance_info(engine: LLMEngine, model_name: str, tool_call_parser: str) -> InstanceInfo:

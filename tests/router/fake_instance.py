@@ -3,7 +3,7 @@ a real asyncio server speaking HTTP/1.1 byte by byte, so a test controls what an
 does on the wire (when each chunk goes out, a connection closed mid-answer or before
 any) and sees what reaches it (requests, connections, a client gone).
 
-GET /health, /instance and /metrics answer as an instance does; every other request goes
+GET /health, /load, /instance and /metrics answer as an instance does (an idle one); every other request goes
 to `handler(request, writer)`, which writes the answer itself (`answer_json`,
 `start_chunked`, `chunk`, `end_chunked`) or closes the connection.
 """
@@ -164,6 +164,10 @@ class FakeInstance:
                     await answer_json(writer, {})
                 elif path == "/instance":
                     await answer_json(writer, self.info())
+                elif path == "/load":
+                    await answer_json(writer, {"instance_id": self._instance_id, "server_load": 0,
+                                               "num_requests_running": 0, "num_requests_waiting": 0,
+                                               "kv_cache_usage_perc": 0.0})
                 elif path == "/metrics":
                     await answer(writer, b"vllm:num_requests_waiting 0\n", content_type=b"text/plain")
                 else:

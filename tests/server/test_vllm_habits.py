@@ -91,6 +91,7 @@ def test_health_metrics_version_stay_open(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/ready").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/load").status_code == 200
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
 
 
