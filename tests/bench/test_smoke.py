@@ -111,6 +111,13 @@ def test_long_doc_qa_result_has_paired_concurrent_and_floor_table(smoke_run) -> 
     assert "| cpu | 2 | cpu |" in markdown  # round 2 loads the evicted documents from the cpu tier
 
 
+def test_fleet_measures_the_routers_hop_against_a_tiny_instance(smoke_run) -> None:
+    directory = smoke_run("fleet")
+    hop = json.loads((directory / "fleet.json").read_text())["hop"]
+    assert hop["requests"] == 3 and hop["direct_p50_ms"] > 0 and hop["routed_p50_ms"] > 0
+    assert "The router's hop alone" in (directory / "fleet.md").read_text()
+
+
 def test_zero_reuse_pairs_interleaved_passes(smoke_run) -> None:
     """Every pass runs every configuration on its own prompts (lengths vary, so some end in
     a tail chunk); the store serves nothing; the ratios are per pass, and their medians."""
