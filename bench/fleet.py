@@ -327,10 +327,11 @@ def router_hop(args: argparse.Namespace, rng: random.Random) -> dict:
     blocks, scores the instances and relays the answer), but a real model's answer varies
     by tens of milliseconds from one request to the next on a busy host, which buries the
     router's own p99 under the instance's."""
+    context = args.latency_tokens + 2 * BLOCK_SIZE
     with tempfile.TemporaryDirectory(prefix="kvtier-hop-") as directory:
-        model = make_model(directory, preset="tiny", max_position_embeddings=args.latency_tokens + 2 * BLOCK_SIZE)
+        model = make_model(directory, preset="tiny", max_position_embeddings=context)
         instance = ServerProcess("--model", model, "--served-model-name", SERVED_NAME, "--kv-cache-memory", "64MiB",
-                                 "--max-model-len", str(args.latency_tokens + 2 * BLOCK_SIZE),
+                                 "--max-model-len", str(context),
                                  "--kv-events-config", EVENTS, "--no-fuse-elementwise", "--log-level", "warning")
         try:
             prompt = [rng.randrange(HOP_TOKEN_IDS.start, HOP_TOKEN_IDS.stop) for _ in range(args.latency_tokens)]
